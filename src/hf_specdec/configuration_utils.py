@@ -1,0 +1,165 @@
+"""`DrafterConfig`: the facts about a target model that every drafter needs.
+
+Hidden-state indexing convention used throughout hf_specdec: ``target_layer_ids`` index the tuple returned by a
+transformers causal LM with ``output_hidden_states=True``. Index ``0`` is the embedding output and index ``i + 1`` is
+the output of decoder layer ``i`` (0-based), so a target with ``L`` decoder layers has valid ids ``0..L``. (Index ``L``
+is the final hidden state, after the final norm for Llama-style models.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PretrainedConfig
+
+__all__ = ["DrafterConfig", "get_text_config"]
+
+
+def get_text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """Returns the decoder text config of ``config`` (the config itself for plain causal LMs)."""
+    getter = getattr(config, "get_text_config", None)
+    if getter is None:
+        return config
+    try:
+        return getter(decoder=True)
+    except TypeError:  # older signature without `decoder`
+        return getter()
+
+
+def _require_int(name: str, value: Any, minimum: int, cls_name: str, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(
+            f"{cls_name}.{name} must be an integer >= {minimum}, got {value!r}. "
+            f"Build the config with `{cls_name}.for_target(target.config)` to fill target facts automatically."
+        )
+
+
+class DrafterConfig(PretrainedConfig):
+    r"""Base configuration of every drafter family.
+
+    Besides the drafter's own architecture (defined by each family), a drafter records the facts about the target
+    it was made for, so that binding it to another target fails early with a clear message.
+
+    Args:
+        target_model_name_or_path (`str`, *optional*):
+            Hub id or path of the target the drafter was made for (informational; also used by model cards).
+        target_model_type (`str`, *optional*):
+            `model_type` of the target's text config (e.g. ``"llama"``).
+        target_hidden_size (`int`):
+            Hidden size of the target model.
+        target_num_hidden_layers (`int`):
+            Number of decoder layers of the target model.
+        target_vocab_size (`int`):
+            Size of the target's LM head output (its vocabulary, including any padding rows).
+        target_layer_ids (`list[int]`, *optional*):
+            Which target hidden states the drafter reads, in the convention of the module docstring
+            (``output_hidden_states[j]``; 0 = embeddings, ``i + 1`` = output of decoder layer ``i``).
+        draft_vocab_size (`int`, *optional*):
+            Size of the drafter's output vocabulary. Defaults to ``target_vocab_size``; smaller values use a
+            reduced draft vocabulary mapped to target ids.
+        num_draft_tokens (`int`, *optional*, defaults to 5):
+            Default number of draft tokens proposed per decoding step (``num_assistant_tokens`` overrides it).
+    """
+
+    model_type = "drafter"
+
+    # Fields are declared as annotated class attributes because transformers 5 configs are dataclasses.
+    target_model_name_or_path: str | None = None
+    target_model_type: str | None = None
+    target_hidden_size: int | None = None
+    target_num_hidden_layers: int | None = None
+    target_vocab_size: int | None = None
+    target_layer_ids: list[int] | None = None
+    draft_vocab_size: int | None = None
+    num_draft_tokens: int = 5
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.draft_vocab_size is None:
+            self.draft_vocab_size = self.target_vocab_size
+        if self.target_layer_ids is not None:
+            self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.validate_drafter()
+
+    # -- validation -----------------------------------------------------------------------------------------------
+    @property
+    def is_bound_to_target_facts(self) -> bool:
+        """False for a template config whose target facts are not filled in yet."""
+        return not (
+            self.target_hidden_size is None and self.target_num_hidden_layers is None and self.target_vocab_size is None
+        )
+
+    def validate_drafter(self, require_complete: bool = False) -> None:
+        """Checks the target facts; raises `ValueError` naming the offending field.
+
+        A config whose target facts are all unset is a template (transformers builds such configs internally); it
+        passes unless ``require_complete`` is set, which models do when they are built.
+        """
+        name = type(self).__name__
+        _require_int("num_draft_tokens", self.num_draft_tokens, 1, name)
+        if not require_complete and not self.is_bound_to_target_facts:
+            return
+        _require_int("target_hidden_size", self.target_hidden_size, 1, name)
+        _require_int("target_num_hidden_layers", self.target_num_hidden_layers, 1, name)
+        _require_int("target_vocab_size", self.target_vocab_size, 1, name)
+        _require_int("draft_vocab_size", self.draft_vocab_size, 1, name)
+        if self.draft_vocab_size > self.target_vocab_size:
+            raise ValueError(
+                f"{name}.draft_vocab_size ({self.draft_vocab_size}) cannot exceed target_vocab_size "
+                f"({self.target_vocab_size})."
+            )
+        if self.target_layer_ids is not None:
+            bad = [i for i in self.target_layer_ids if not 0 <= i <= self.target_num_hidden_layers]
+            if bad or not self.target_layer_ids:
+                raise ValueError(
+                    f"{name}.target_layer_ids={self.target_layer_ids} is invalid: ids index output_hidden_states "
+                    f"(0 = embeddings, i + 1 = output of decoder layer i), so each must be in "
+                    f"[0, target_num_hidden_layers={self.target_num_hidden_layers}]."
+                )
+
+    # -- construction from a target ----------------------------------------------------------------------------------
+    @classmethod
+    def target_facts(cls, target_config: PretrainedConfig) -> dict[str, Any]:
+        """Extracts the target facts recorded by every drafter config from a target config."""
+        text = get_text_config(target_config)
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if getattr(text, k, None) is None]
+        if missing:
+            raise ValueError(
+                f"Cannot size a drafter for target config {type(target_config).__name__}: it has no {missing}. "
+                "Pass the config of a decoder-only causal LM (or its text config)."
+            )
+        return {
+            "target_model_name_or_path": getattr(target_config, "_name_or_path", None) or None,
+            "target_model_type": getattr(text, "model_type", None),
+            "target_hidden_size": int(text.hidden_size),
+            "target_num_hidden_layers": int(text.num_hidden_layers),
+            "target_vocab_size": int(text.vocab_size),
+        }
+
+    @classmethod
+    def default_target_layer_ids(cls, num_layers: int) -> list[int] | None:
+        """Family default for `target_layer_ids` given the target depth (None: the family reads no features)."""
+        return None
+
+    @classmethod
+    def architecture_defaults(cls, text_config: PretrainedConfig) -> dict[str, Any]:
+        """Family defaults copied from the target text config (sizes, norms, RoPE)."""
+        return {}
+
+    @classmethod
+    def for_target(cls, target_config: PretrainedConfig, **overrides) -> DrafterConfig:
+        """Builds a config sized for ``target_config``; keyword arguments override any field.
+
+        Example:
+            >>> config = Eagle3Config.for_target(target.config, num_draft_tokens=6)
+        """
+        facts = cls.target_facts(target_config)
+        kwargs: dict[str, Any] = dict(facts)
+        layer_ids = cls.default_target_layer_ids(facts["target_num_hidden_layers"])
+        if layer_ids is not None:
+            kwargs["target_layer_ids"] = layer_ids
+        kwargs.update(cls.architecture_defaults(get_text_config(target_config)))
+        kwargs.update(overrides)
+        return cls(**kwargs)

@@ -1,0 +1,17 @@
+"""The decoding loop, its data types and the ``generate`` hook."""
+
+from .hook import install_generate_hook, is_generate_hook_installed, uninstall_generate_hook
+from .loop import speculative_generate
+from .outputs import SpeculativeDecoderOnlyOutput
+from .proposals import DraftInputs, Proposal, TokenSelector
+
+__all__ = [
+    "speculative_generate",
+    "SpeculativeDecoderOnlyOutput",
+    "Proposal",
+    "DraftInputs",
+    "TokenSelector",
+    "install_generate_hook",
+    "uninstall_generate_hook",
+    "is_generate_hook_installed",
+]

@@ -1,0 +1,79 @@
+"""Test and benchmark utilities: a replay ("oracle") drafter that proposes a known continuation.
+
+It lets you check acceptance bookkeeping exactly (a perfect oracle reaches τ = K + 1) and measure the loop's own
+overhead with a drafter that costs nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .configuration_utils import DrafterConfig
+from .generation.proposals import DraftInputs, Proposal
+from .modeling_utils import DrafterPreTrainedModel
+
+__all__ = ["OracleDrafterConfig", "OracleDrafter", "make_oracle_drafter"]
+
+
+class OracleDrafterConfig(DrafterConfig):
+    """Config of :class:`OracleDrafter`: ``corruption`` is the probability of replacing a proposed token."""
+
+    model_type = "oracle_drafter"
+    corruption: float = 0.0
+    seed: int = 0
+
+
+@dataclass
+class _OracleState:
+    n_gen: torch.Tensor | None = None
+    started: bool = False
+    generator: torch.Generator | None = None
+
+
+class OracleDrafter(DrafterPreTrainedModel):
+    """Proposes tokens from ``continuation`` (the generated part of the target's own greedy output, one row per
+    batch row), optionally corrupted with probability ``config.corruption``. Reads no target features."""
+
+    config_class = OracleDrafterConfig
+    requires_target_hidden_states = False
+
+    def __init__(self, config: OracleDrafterConfig):
+        super().__init__(config)
+        self.placeholder = torch.nn.Parameter(torch.zeros(1))  # a PreTrainedModel needs one parameter
+        self.continuation: torch.LongTensor | None = None
+        self.post_init()
+
+    def _init_weights(self, module):
+        pass
+
+    def init_draft_state(self, batch_size: int, max_length: int) -> _OracleState:
+        if self.continuation is None or self.continuation.shape[0] != batch_size:
+            raise ValueError("OracleDrafter.continuation must hold one row per batch row.")
+        return _OracleState(generator=torch.Generator().manual_seed(self.config.seed))
+
+    def observe(self, state: _OracleState, inputs: DraftInputs) -> None:
+        added = inputs.valid.long().sum(1).cpu()
+        # The prefill observation covers the prompt and commits one generated token; later ones commit `added`.
+        state.n_gen = torch.ones_like(added) if not state.started else state.n_gen + added
+        state.started = True
+
+    def propose(self, state: _OracleState, num_tokens: int, select) -> Proposal:
+        cont = self.continuation.cpu()
+        idx = (state.n_gen[:, None] + torch.arange(num_tokens)[None]).clamp(max=cont.shape[1] - 1)
+        tokens = cont.gather(1, idx)
+        if self.config.corruption > 0:
+            flip = torch.rand(tokens.shape, generator=state.generator) < self.config.corruption
+            tokens = torch.where(flip, (tokens + 1) % self.config.target_vocab_size, tokens)
+        return Proposal(tokens=tokens.to(self.device), kind="chain")
+
+
+def make_oracle_drafter(target, continuation, corruption: float = 0.0, seed: int = 0, num_draft_tokens: int = 4):
+    """An :class:`OracleDrafter` for ``target`` replaying ``continuation`` (``(batch, n)`` token ids)."""
+    config = OracleDrafterConfig.for_target(
+        target.config, corruption=corruption, seed=seed, num_draft_tokens=num_draft_tokens
+    )
+    drafter = OracleDrafter(config)
+    drafter.continuation = continuation
+    return drafter.eval()

@@ -1,0 +1,101 @@
+"""The verifier protocol and its registry.
+
+A verifier receives the drafter's :class:`~hf_specdec.generation.proposals.Proposal` and the target's processed
+scores for every proposal node plus one (the bonus position), and decides, per row, how many draft tokens to keep
+and which token follows them. The loop is generic over verifiers: greedy, lossless speculative sampling, and
+approximate verifiers (e.g. ASD) all plug in here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from ..generation.proposals import Proposal
+
+__all__ = ["Verifier", "VerificationResult", "register_verifier", "get_verifier", "VERIFIERS"]
+
+
+@dataclass
+class VerificationResult:
+    """Outcome of verifying one proposal for a batch.
+
+    Attributes:
+        num_accepted: ``(batch,)`` number of draft tokens kept (the bonus token is not counted here).
+        tokens: ``(batch, n + 1)`` for each row, its ``num_accepted`` kept tokens followed by the bonus token at index
+            ``num_accepted``; entries after that are unspecified.
+        path: ``(batch, n)`` for tree proposals, the node indices of the kept path (``None`` for chains/blocks,
+            where the kept nodes are ``0..num_accepted-1``).
+        stats: verifier-specific per-row statistics (e.g. ASD's regret spent).
+    """
+
+    num_accepted: torch.LongTensor
+    tokens: torch.LongTensor
+    path: torch.LongTensor | None = None
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Verifier:
+    """Base class of verifiers.
+
+    Class attributes:
+        name: registry key (``verifier="<name>"`` in ``generate``).
+        supports_sampling / supports_greedy: which decoding modes the verifier accepts.
+        approximate: ``True`` when the output may deviate from the target's own decoding (flagged in outputs).
+    """
+
+    name: ClassVar[str] = ""
+    supports_sampling: ClassVar[bool] = False
+    supports_greedy: ClassVar[bool] = True
+    approximate: ClassVar[bool] = False
+
+    def __init__(self, **options: Any):
+        if options:
+            raise ValueError(f"Verifier {self.name!r} takes no options, got {sorted(options)}.")
+
+    def start(self, batch_size: int, device: torch.device, do_sample: bool, generator: torch.Generator | None) -> None:
+        """Called once per ``generate`` call, before the first verification."""
+        if do_sample and not self.supports_sampling:
+            raise ValueError(
+                f"The {self.name!r} verifier does not support sampling (do_sample=True). Use do_sample=False, or "
+                "the lossless 'sampling' verifier."
+            )
+        if not do_sample and not self.supports_greedy:
+            raise ValueError(f"The {self.name!r} verifier needs do_sample=True.")
+        self.generator = generator
+
+    def verify(self, proposal: Proposal, scores: torch.Tensor) -> VerificationResult:
+        """Verifies ``proposal`` given the target's processed ``scores``.
+
+        Args:
+            proposal: the draft; for chains and blocks node ``i`` is the ``i``-th draft token.
+            scores: ``(batch, num_nodes + 1, vocab)`` float32 processed target scores; ``scores[:, 0]`` is the
+                distribution after the last committed token, ``scores[:, i + 1]`` the one after node ``i``.
+        """
+        raise NotImplementedError
+
+
+VERIFIERS: dict[str, type[Verifier]] = {}
+
+
+def register_verifier(cls: type[Verifier]) -> type[Verifier]:
+    """Class decorator registering a verifier under ``cls.name``."""
+    if not cls.name:
+        raise ValueError("A verifier needs a non-empty `name`.")
+    VERIFIERS[cls.name] = cls
+    return cls
+
+
+def get_verifier(spec: str | Verifier | None, do_sample: bool, **options: Any) -> Verifier:
+    """Resolves a verifier name (or instance) for the given decoding mode."""
+    if isinstance(spec, Verifier):
+        if options:
+            raise ValueError("Pass verifier options to the verifier's constructor when passing an instance.")
+        return spec
+    if spec is None:
+        spec = "sampling" if do_sample else "greedy"
+    if spec not in VERIFIERS:
+        raise ValueError(f"Unknown verifier {spec!r}. Available: {sorted(VERIFIERS)}.")
+    return VERIFIERS[spec](**options)

@@ -1,0 +1,77 @@
+"""EAGLE-3: the shared drafter tester plus family-specific checks."""
+
+import pytest
+import torch
+from drafter_tester import DrafterTesterMixin, RecordingSelector, prefill_inputs
+from helpers import make_target, ragged_batch
+
+from hf_specdec import AutoModelForDrafting, Eagle3Config, Eagle3ForDrafting
+
+
+class TestEagle3(DrafterTesterMixin):
+    config_class = Eagle3Config
+    model_class = Eagle3ForDrafting
+    config_overrides = {"intermediate_size": 64}
+    proposal_kind = "chain"
+
+
+def test_default_layer_ids_follow_reference():
+    # hidden_states[2], [L // 2], [L - 3] (inputs of decoder layers 2, L//2, L-3), e.g. [2, 16, 29] for 32 layers.
+    assert Eagle3Config.default_target_layer_ids(32) == [2, 16, 29]
+    assert Eagle3Config.default_target_layer_ids(36) == [2, 18, 33]
+    target = make_target("llama", layers=8)
+    assert Eagle3Config.for_target(target.config).target_layer_ids == [2, 4, 5]
+
+
+def test_hidden_size_must_match_target():
+    target = make_target("llama")
+    with pytest.raises(ValueError, match="hidden_size"):
+        Eagle3Config.for_target(target.config, hidden_size=64)
+
+
+def test_reduced_draft_vocab_round_trip_and_mapping(tmp_path):
+    target = make_target("llama")
+    config = Eagle3Config.for_target(target.config, draft_vocab_size=40, intermediate_size=64)
+    drafter = AutoModelForDrafting.from_config(config).eval()
+    used = torch.arange(6, 96, 2)[:40]  # even ids 6..84
+    drafter.set_draft_vocab(used)
+    assert torch.equal(drafter.draft_token_ids, used)
+    assert int(drafter.t2d.sum()) == 40 and bool(drafter.t2d[used].all())
+    drafter.check_draft_vocab()
+    drafter.save_pretrained(tmp_path)
+    loaded = AutoModelForDrafting.from_pretrained(tmp_path)
+    assert torch.equal(loaded.d2t, drafter.d2t) and torch.equal(loaded.t2d, drafter.t2d)
+    # Draft tokens only come from the draft vocabulary; generation stays identical to plain greedy.
+    drafter.bind_target(target)
+    ids, mask = ragged_batch(2)
+    state = drafter.init_draft_state(2, 64)
+    drafter.observe(state, prefill_inputs(target, ids, mask, torch.tensor([7, 8])))
+    prop = drafter.propose(state, 5, RecordingSelector())
+    assert bool(torch.isin(prop.tokens, used).all())
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=16, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_corrupt_vocab_mapping_is_detected():
+    target = make_target("llama")
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, draft_vocab_size=40))
+    drafter.t2d[0] = False
+    with pytest.raises(ValueError, match="d2t and t2d disagree"):
+        drafter.check_draft_vocab()
+    with pytest.raises(ValueError, match="distinct"):
+        drafter.set_draft_vocab(torch.zeros(40, dtype=torch.long))
+
+
+def test_forward_matches_incremental_observe():
+    """`forward` over a sequence (the training path) equals the loop's incremental path."""
+    target = make_target("llama")
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config)).eval().bind_target(target)
+    ids, mask = ragged_batch(1, length=10)
+    inputs = prefill_inputs(target, ids, mask, torch.tensor([9]))
+    feats = [inputs.hidden_states[i] for i in drafter.config.target_layer_ids]
+    out = drafter(input_ids=inputs.next_token_ids, target_hidden_states=feats, position_ids=inputs.position_ids)
+    state = drafter.init_draft_state(1, 64)
+    drafter.observe(state, inputs)
+    torch.testing.assert_close(state.last_logits, out.logits[:, -1])
+    torch.testing.assert_close(state.last_hidden, out.hidden_states[:, -1])
