@@ -75,3 +75,32 @@ def test_forward_matches_incremental_observe():
     drafter.observe(state, inputs)
     torch.testing.assert_close(state.last_logits, out.logits[:, -1])
     torch.testing.assert_close(state.last_hidden, out.hidden_states[:, -1])
+
+
+def test_incomplete_or_corrupt_checkpoints_fail_clearly(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target = make_target("llama")
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config))
+    drafter.save_pretrained(tmp_path / "missing")
+    weights = load_file(str(tmp_path / "missing" / "model.safetensors"))
+    weights.pop("fc.weight")
+    save_file(weights, str(tmp_path / "missing" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing weights \['fc.weight'\]"):
+        AutoModelForDrafting.from_pretrained(tmp_path / "missing")
+    loaded = AutoModelForDrafting.from_pretrained(tmp_path / "missing", allow_missing_weights=True)
+    assert isinstance(loaded, Eagle3ForDrafting)
+
+    drafter.save_pretrained(tmp_path / "truncated")
+    path = tmp_path / "truncated" / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        AutoModelForDrafting.from_pretrained(tmp_path / "truncated")
+
+    reduced = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, draft_vocab_size=40))
+    reduced.t2d[3] = False
+    reduced.t2d[90] = True  # t2d no longer matches d2t
+    reduced.save_pretrained(tmp_path / "badvocab")
+    with pytest.raises(ValueError, match="d2t and t2d disagree"):
+        AutoModelForDrafting.from_pretrained(tmp_path / "badvocab")

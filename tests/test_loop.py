@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from drafter_tester import tv_bound
-from helpers import PAD, make_oracle, make_target, ragged_batch
+from helpers import PAD, char_tokenizer, make_oracle, make_target, ragged_batch
 from sampling_check import TEMPERATURE, TOP_K, empirical, exact_marginals
 from transformers import LlamaForCausalLM
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
@@ -118,6 +118,24 @@ def test_custom_stopping_criteria_mid_chunk():
     )
     assert torch.equal(out, ref)
     assert out[0, -1].item() == stop_token and out.shape[1] < ids.shape[1] + 25
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_stop_strings_inside_accepted_chunks(batch):
+    tok = char_tokenizer()
+    target = make_target("llama", seed=3)
+    ids, mask = ragged_batch(batch)
+    cont = greedy_continuation(target, ids, mask, 30)
+    stop = tok.decode(cont[0, 7:9])
+    drafter = make_oracle(target, cont, num_draft_tokens=4)
+    kwargs = dict(attention_mask=mask, max_new_tokens=25, do_sample=False, stop_strings=[stop], tokenizer=tok)
+    ref = target.generate(ids, **kwargs)
+    out = target.generate(ids, assistant_model=drafter, **kwargs)
+    assert torch.equal(out, ref)
+    row0 = out[0, ids.shape[1] :].tolist()
+    assert row0[9:] == [PAD] * (len(row0) - 9)  # row 0 stopped right after its stop string
+    with pytest.raises(ValueError, match="tokenizer"):
+        target.generate(ids, attention_mask=mask, max_new_tokens=5, stop_strings=["x"], assistant_model=drafter)
 
 
 class Collect(BaseStreamer):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -59,6 +60,42 @@ class DrafterPreTrainedModel(PreTrainedModel):
         super().__init__(config, *args, **kwargs)
         # Plain dict: keeps borrowed target modules out of `named_modules()` / `state_dict()`.
         self.__dict__["_bound"] = {}
+
+    # ------------------------------------------------------------------------------------------------------------
+    # loading: strict by default
+    # ------------------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, allow_missing_weights: bool = False, **kwargs):
+        """Loads a drafter checkpoint (safetensors) like any transformers model, but strictly.
+
+        Unlike plain transformers, a checkpoint with missing or mis-shaped drafter weights is an error (a drafter
+        with randomly initialised layers silently proposes garbage); pass ``allow_missing_weights=True`` to accept
+        it anyway. A truncated or corrupt weights file raises a `ValueError` saying so.
+        """
+        want_info = kwargs.pop("output_loading_info", False)
+        try:
+            model, info = super().from_pretrained(
+                pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
+            )
+        except SafetensorError as err:
+            raise ValueError(
+                f"The drafter checkpoint at {pretrained_model_name_or_path!s} is corrupt or truncated ({err}). "
+                "Download or save it again."
+            ) from err
+        missing = sorted(info.get("missing_keys", ()))
+        mismatched = sorted(str(m) for m in info.get("mismatched_keys", ()))
+        if (missing or mismatched) and not allow_missing_weights:
+            raise ValueError(
+                f"The drafter checkpoint at {pretrained_model_name_or_path!s} does not match "
+                f"{cls.__name__}: missing weights {missing}, mis-shaped weights {mismatched}. It was saved for "
+                "another drafter configuration or is incomplete; pass allow_missing_weights=True to initialise the "
+                "missing weights randomly (then train the drafter)."
+            )
+        model.check_loaded_weights()
+        return (model, info) if want_info else model
+
+    def check_loaded_weights(self) -> None:
+        """Family hook run after `from_pretrained` to validate loaded tensors (e.g. vocabulary maps)."""
 
     # ------------------------------------------------------------------------------------------------------------
     # binding to a target

@@ -15,9 +15,11 @@ point for third-party drafters. Importing :mod:`hf_specdec` therefore wraps ``Ge
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 
+from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
 __all__ = ["install_generate_hook", "uninstall_generate_hook", "is_generate_hook_installed"]
@@ -48,6 +50,8 @@ def _route(self, original, bound: inspect.BoundArguments):
         raise ValueError(
             "hf_specdec drafters share the target's vocabulary; `assistant_tokenizer` is not used. Remove it."
         )
+    _move_stop_strings(self, args, kwargs)
+    kwargs.pop("tokenizer", None)
     args["assistant_model"] = None
     args["custom_generate"] = speculative_generate
     kwargs["drafter"] = drafter
@@ -58,6 +62,28 @@ def _route(self, original, bound: inspect.BoundArguments):
         kwargs["spec_streamer"] = streamer
     args.pop("self", None)
     return original(self, **args, **kwargs)
+
+
+def _move_stop_strings(model, args: dict, kwargs: dict) -> None:
+    """transformers drops `tokenizer` for callable `custom_generate`s, so stop strings would fail there. Build the
+    `StopStringCriteria` here and pass it as an ordinary stopping criterion instead."""
+    stop_strings = kwargs.pop("stop_strings", None)
+    config = args.get("generation_config")
+    if stop_strings is None:
+        source = config if config is not None else model.generation_config
+        if getattr(source, "stop_strings", None):
+            stop_strings = source.stop_strings
+            config = copy.deepcopy(source)
+            config.stop_strings = None
+            args["generation_config"] = config
+    if not stop_strings:
+        return
+    tokenizer = kwargs.get("tokenizer")
+    if tokenizer is None:
+        raise ValueError("stop_strings need the target's tokenizer: pass `tokenizer=` to generate.")
+    criteria = StoppingCriteriaList(args.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    args["stopping_criteria"] = criteria
 
 
 def install_generate_hook() -> None:

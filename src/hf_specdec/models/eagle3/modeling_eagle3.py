@@ -151,6 +151,9 @@ class Eagle3ForDrafting(DrafterPreTrainedModel):
         self.t2d.zero_()
         self.t2d[ids.to(self.t2d.device)] = True
 
+    def check_loaded_weights(self) -> None:
+        self.check_draft_vocab()
+
     def check_draft_vocab(self) -> None:
         """Raises if ``d2t`` / ``t2d`` are inconsistent (e.g. a checkpoint with an all-zero ``d2t`` but a reduced
         vocabulary that is not the first ids)."""
