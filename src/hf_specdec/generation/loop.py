@@ -220,6 +220,7 @@ def speculative_generate(
     n_gen = torch.zeros(bsz, dtype=torch.long, device=work)
     finished = torch.zeros(bsz, dtype=torch.bool, device=work)
     rows = torch.arange(bsz, device=work)
+    steps = torch.arange(k_max + 1, device=work)[None]  # column offsets, sliced to the width in use
     forwards = torch.zeros(bsz, dtype=torch.long, device=work)
     accept_log: list[torch.Tensor] = []
     stats_log: dict[str, list[torch.Tensor]] = {}
@@ -250,20 +251,17 @@ def speculative_generate(
         """Appends up to ``count`` tokens per unfinished row; applies EOS, length and custom stop criteria."""
         nonlocal finished, n_gen
         width = new_tokens.shape[1]
-        count = torch.where(finished, torch.zeros_like(count), count)
-        count = torch.minimum(count, max_new - n_gen)
-        col = torch.arange(width, device=work)[None]
+        count = torch.minimum(count.masked_fill(finished, 0), max_new - n_gen)
+        col = steps[:, :width]
         if eos_ids is not None:
-            is_eos = torch.isin(new_tokens, eos_ids) & (col < count[:, None])
-            has_eos = is_eos.any(dim=1)
-            first = is_eos.long().argmax(dim=1)
-            count = torch.where(has_eos, first + 1, count)
-            stop = has_eos
+            is_eos = (new_tokens[..., None] == eos_ids).any(-1) & (col < count[:, None])
+            stop = is_eos.any(dim=1)
+            count = torch.where(stop, is_eos.long().argmax(dim=1) + 1, count)
         else:
             stop = torch.zeros_like(finished)
-        write = col < count[:, None]
-        pos = prompt_len + n_gen[:, None] + col
-        seq[rows[:, None].expand_as(write)[write], pos[write]] = new_tokens.to(work)[write]
+        # Scatter without a data-dependent shape: rows keep their old values beyond `count`.
+        pos = (prompt_len + n_gen)[:, None] + col
+        seq.scatter_(1, pos, torch.where(col < count[:, None], new_tokens, seq.gather(1, pos)))
         if other_criteria:
             counts = count.tolist()
             for b in range(bsz):
@@ -311,9 +309,10 @@ def speculative_generate(
     selector = _DraftSelector(processor, seq, prompt_len + n_gen, do_sample, gen)
 
     # ---------------------------------------------------------------- decoding steps
-    while not bool(finished.all()):
+    done = bool(finished.all())
+    while not done:
         active = ~finished
-        remaining = int((max_new - n_gen)[active].max())
+        remaining = int((max_new - n_gen).masked_fill(finished, 0).max())
         k = min(k_max, remaining - 1)
         lengths = prompt_len + n_gen
         if k > 0:
@@ -322,15 +321,15 @@ def speculative_generate(
             if proposal.kind == "tree":
                 raise NotImplementedError("Tree proposals are not supported by this release of the loop.")
             draft = proposal.tokens.to(work)
-            seq[rows[:, None], lengths[:, None] + torch.arange(k, device=work)[None]] = draft
+            seq.scatter_(1, lengths[:, None] + steps[:, :k], draft)
         else:
-            draft = torch.empty(bsz, 0, dtype=torch.long, device=work)
+            draft = seq.new_empty(bsz, 0)
             proposal = Proposal(tokens=draft)
         feed = torch.cat([last_token[:, None], draft], dim=1)  # (bsz, k + 1)
-        offsets = torch.arange(k + 1, device=work)[None]
+        offsets = steps[:, : k + 1]
         pos = next_pos[:, None] + offsets
         if slot_mask is not None:
-            slot_mask = torch.cat([slot_mask, torch.ones(bsz, k + 1, dtype=slot_mask.dtype, device=work)], dim=1)
+            slot_mask = torch.cat([slot_mask, slot_mask.new_ones(bsz, k + 1)], dim=1)
         logits, hidden = target_forward(feed, slot_mask, pos, keep_all=True)
         forwards += active.long()
         raw = logits.to(device=work, dtype=torch.float32)
@@ -338,22 +337,21 @@ def speculative_generate(
         result = ver.verify(proposal, scores)
         n = result.num_accepted.to(work)
         for key, value in result.stats.items():
-            stats_log.setdefault(key, []).append(torch.where(active, value.to(work), torch.zeros_like(value.to(work))))
+            stats_log.setdefault(key, []).append(value.to(work).masked_fill(finished, 0))
         n_max = int(n.max())
         new_tokens = result.tokens[:, : n_max + 1].to(work)
-        count = commit(new_tokens, n + 1, scores, raw)
-        accept_log.append(torch.where(active, count, torch.zeros_like(count)))
+        accept_log.append(commit(new_tokens, n + 1, scores, raw))  # 0 for rows already finished
 
         # Target cache: keep slots of [last_token, accepted drafts]; drop the rest.
         if slot_mask is not None:
             base = slot_mask.shape[1] - (k + 1)
             slot_mask[:, base:] = (offsets <= n[:, None]).to(slot_mask.dtype)
             slot_mask = slot_mask[:, : base + n_max + 1]
-        drop = k - n_max
-        if drop > 0:
-            cache.crop(-drop)
+        if k > n_max:
+            cache.crop(n_max - k)
 
-        if bool(finished.all()):
+        done = bool(finished.all())
+        if done:
             break
         width = n_max + 1
         drafter.observe(
@@ -396,7 +394,7 @@ def speculative_generate(
         return tuple(buf.unbind(0))
 
     acc = torch.stack(accept_log, dim=1) if accept_log else torch.zeros(bsz, 0, dtype=torch.long, device=work)
-    accepted_lengths = [[x for x in row if x > 0] for row in acc.tolist()]
+    accepted_lengths = [[x for x in row if x > 0] for row in acc.tolist()]  # drop passes after a row finished
     stats = {key: torch.stack(vals, 1).sum(1) for key, vals in stats_log.items()} or None
     return SpeculativeDecoderOnlyOutput(
         sequences=out_seq,
