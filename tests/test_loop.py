@@ -160,6 +160,9 @@ def test_streamer_receives_prompt_then_every_committed_chunk():
     assert streamer.chunks[0] == ids[0].tolist()
     assert sum(streamer.chunks[1:], []) == out[0, ids.shape[1] :].tolist()
     assert max(len(c) for c in streamer.chunks[1:]) > 1  # several tokens per pass reached the streamer
+    batch, mask = ragged_batch(2)
+    with pytest.raises(ValueError, match="batch size 1"):
+        target.generate(batch, attention_mask=mask, max_new_tokens=4, assistant_model=drafter, streamer=Collect())
 
 
 @pytest.mark.parametrize("batch", [1, 2])

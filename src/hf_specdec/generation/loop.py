@@ -226,6 +226,8 @@ def speculative_generate(
     stats_log: dict[str, list[torch.Tensor]] = {}
 
     if streamer is not None:
+        if bsz > 1:
+            raise ValueError(f"Streamers support batch size 1 (as in transformers); got a batch of {bsz}.")
         streamer.put(input_ids.cpu())
 
     def target_forward(ids, mask, pos, keep_all: bool):
