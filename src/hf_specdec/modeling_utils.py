@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -12,7 +13,26 @@ from transformers import PreTrainedModel
 from .configuration_utils import DrafterConfig, get_text_config
 from .generation.proposals import DraftInputs, Proposal, TokenSelector
 
-__all__ = ["DrafterPreTrainedModel", "target_lm_head_device"]
+__all__ = ["DrafterPreTrainedModel", "DraftLossOutput", "target_lm_head_device"]
+
+
+@dataclass
+class DraftLossOutput:
+    """What a family's `compute_loss` returns: the loss and sums the trainer aggregates into metrics.
+
+    Attributes:
+        loss: scalar training loss.
+        correct: ``(K,)`` number of anchors whose draft at depth ``j`` equals the target's argmax (teacher forced).
+        valid: ``(K,)`` number of anchors scored at depth ``j``.
+        chain_correct: ``(K,)`` number of anchors whose drafts at depths ``0..j`` are all correct.
+        anchors: number of anchors (positions where a chain can start).
+    """
+
+    loss: torch.Tensor
+    correct: torch.Tensor
+    valid: torch.Tensor
+    chain_correct: torch.Tensor
+    anchors: torch.Tensor
 
 
 def target_lm_head_device(target: nn.Module) -> torch.device:
@@ -224,6 +244,25 @@ class DrafterPreTrainedModel(PreTrainedModel):
     def propose(self, state: Any, num_tokens: int, select: TokenSelector) -> Proposal:
         """Drafts ``num_tokens`` tokens continuing each row's verified context."""
         raise NotImplementedError(f"{type(self).__name__} must implement `propose`.")
+
+    # ------------------------------------------------------------------------------------------------------------
+    # training interface (implemented by each family; the trainer never branches on the family)
+    # ------------------------------------------------------------------------------------------------------------
+    def compute_loss(self, batch: dict, features: Any, target_head: nn.Module | None = None) -> DraftLossOutput:
+        """The family's training objective on a right-padded batch.
+
+        Args:
+            batch: ``input_ids``, ``attention_mask``, ``loss_mask`` (1 on tokens to learn to predict), ``(B, T)``.
+            features: :class:`~hf_specdec.training.features.TargetFeatures` of the frozen target for the batch.
+            target_head: the target's LM head (soft labels are recomputed from ``features.last_hidden``).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement `compute_loss` yet.")
+
+    def init_from_data(self, token_counts: torch.Tensor) -> None:
+        """Data-dependent initialisation before training (e.g. a reduced draft vocabulary from token frequencies).
+
+        ``token_counts`` is a ``(target_vocab_size,)`` count of tokens in the training data. Default: nothing.
+        """
 
     def draft_to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Maps draft-vocabulary logits to the target vocabulary (``-inf`` outside the draft vocabulary)."""

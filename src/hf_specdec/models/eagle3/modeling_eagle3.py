@@ -15,7 +15,7 @@ from transformers.modeling_outputs import ModelOutput
 
 from ...generation.proposals import DraftInputs, Proposal, TokenSelector
 from ...layers import GatedMLP, RMSNorm, RotaryEmbedding, SlotKVCache, apply_rotary, slot_attention
-from ...modeling_utils import DrafterPreTrainedModel
+from ...modeling_utils import DraftLossOutput, DrafterPreTrainedModel
 from .configuration_eagle3 import Eagle3Config
 
 __all__ = ["Eagle3ForDrafting", "Eagle3DraftState", "Eagle3Output"]
@@ -222,6 +222,156 @@ class Eagle3ForDrafting(DrafterPreTrainedModel):
         )
         out, logits = self._step(inputs_embeds.to(hidden.dtype), hidden, position_ids, valid, cache or SlotKVCache())
         return Eagle3Output(logits=logits, hidden_states=out)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # training: training-time test (TTT)
+    # ------------------------------------------------------------------------------------------------------------
+    def init_from_data(self, token_counts: torch.Tensor) -> None:
+        """Builds the reduced draft vocabulary from token frequencies (the most frequent ids, sorted by id)."""
+        if self.config.draft_vocab_size == self.config.target_vocab_size:
+            return
+        counts = token_counts.to(torch.float64).clone()
+        # Ties (and never-seen ids) are broken by id, so the choice is deterministic.
+        order = torch.argsort(-counts, stable=True)
+        self.set_draft_vocab(order[: self.config.draft_vocab_size])
+
+    def _ttt_attention(self, x, position_ids, key_valid, prev_kv):
+        """Attention of one TTT step: causal over step-0 keys, plus this anchor's own keys of steps 1..j.
+
+        ``prev_kv`` holds ``(k, v)`` of steps 0..j-1 (step 0 first); the new step's keys are appended to it.
+        Mirrors inference, where the drafted slots of a chain sit after the verified context.
+        """
+        attn = self.midlayer.self_attn
+        bsz, t, _ = x.shape
+        h, kvh, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        cos, sin = self.rotary_emb(position_ids, x.dtype)
+        q = apply_rotary(attn.q_proj(x).view(bsz, t, h, hd).transpose(1, 2), cos, sin)
+        k = apply_rotary(attn.k_proj(x).view(bsz, t, kvh, hd).transpose(1, 2), cos, sin)
+        v = attn.v_proj(x).view(bsz, t, kvh, hd).transpose(1, 2)
+        prev_kv.append((k, v))
+        rep = h // kvh
+
+        def expand(z):
+            return z.repeat_interleave(rep, dim=1) if rep > 1 else z
+
+        k0, v0 = expand(prev_kv[0][0]), expand(prev_kv[0][1])
+        scale = hd**-0.5
+        scores0 = (q @ k0.transpose(-1, -2)) * scale  # (B, h, T, T)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        allowed = causal[None, None] & key_valid[:, None, None, :]
+        allowed = allowed | torch.eye(t, dtype=torch.bool, device=x.device)[None, None]
+        scores0 = scores0.masked_fill(~allowed, torch.finfo(scores0.dtype).min)
+        if len(prev_kv) == 1:
+            probs = torch.softmax(scores0.float(), dim=-1).to(q.dtype)
+            out = probs @ v0
+        else:
+            diag_k = torch.stack([expand(kk) for kk, _ in prev_kv[1:]], dim=-2)  # (B, h, T, j, d)
+            diag_v = torch.stack([expand(vv) for _, vv in prev_kv[1:]], dim=-2)
+            scores_d = (q[..., None, :] * diag_k).sum(-1) * scale  # (B, h, T, j)
+            probs = torch.softmax(torch.cat([scores0, scores_d], dim=-1).float(), dim=-1).to(q.dtype)
+            out = probs[..., :t] @ v0 + (probs[..., t:, None] * diag_v).sum(-2)
+        return attn.o_proj(out.transpose(1, 2).reshape(bsz, t, -1))
+
+    def ttt_forward(self, input_ids, target_hidden_states, attention_mask=None, steps: int | None = None):
+        """Unrolls ``steps`` draft steps over a sequence (training-time test).
+
+        Step 0 reads the fused target features; step ``j`` reads the draft's own step ``j - 1`` output at the same
+        anchor and the teacher-forced token ``input_ids[t + 1 + j]``. Step ``j`` at anchor ``t`` predicts the token
+        at ``t + 2 + j`` and sits at position ``t + j`` (as the ``j``-th drafted slot does at inference).
+
+        Returns:
+            list of ``(logits, hidden)`` per step, each ``(batch, seq, ·)``; positions whose teacher-forced token
+            lies beyond the sequence hold garbage and must be masked by the caller.
+        """
+        steps = steps or self.config.num_draft_tokens
+        bsz, t = input_ids.shape
+        valid = (
+            torch.ones(bsz, t, dtype=torch.bool, device=input_ids.device)
+            if attention_mask is None
+            else attention_mask.bool()
+        )
+        positions = torch.arange(t, device=input_ids.device)[None].expand(bsz, t)
+        hidden = self.fuse_target_features(target_hidden_states)
+        embeds_all = self.embed_target_tokens(input_ids).to(hidden.dtype)
+        layer = self.midlayer
+        prev_kv: list = []
+        outputs = []
+        for j in range(steps):
+            # token at t + 1 + j, shifted left; the tail is padded with the last token (masked by the caller)
+            shift = min(1 + j, t)
+            emb = torch.cat([embeds_all[:, shift:], embeds_all[:, -1:].expand(bsz, shift, -1)], dim=1)
+            residual = hidden
+            x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
+            hidden = residual + self._ttt_attention(x, positions + j, valid.to(x.device), prev_kv)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            outputs.append((self.lm_head(self.norm(hidden)), hidden))
+        return outputs
+
+    def compute_loss(self, batch, features, target_head=None, steps: int | None = None, decay: float = 0.8):
+        """EAGLE-3 objective: ``Σ_j decay^j · CE(target distribution, draft distribution)`` over TTT steps.
+
+        Soft labels are the target's distribution over the draft vocabulary (``softmax(target_logits[..., t2d])``);
+        anchor ``t`` at step ``j`` is scored when the predicted token ``t + 2 + j`` exists, is a loss token
+        (``loss_mask``) and, with a reduced vocabulary, the target's argmax is in the draft vocabulary.
+        """
+        from ...training.features import target_logits_from_last_hidden
+
+        if target_head is None:
+            raise ValueError("Eagle3ForDrafting.compute_loss needs the target's LM head for soft labels.")
+        steps = steps or self.config.num_draft_tokens
+        input_ids = batch["input_ids"]
+        attn_mask = batch.get("attention_mask")
+        loss_mask = batch["loss_mask"].bool()
+        if attn_mask is not None:
+            loss_mask = loss_mask & attn_mask.bool()
+        bsz, t = input_ids.shape
+        draft_ids = self.draft_token_ids
+        softcap = getattr(self.bound_target.config, "final_logit_softcapping", None) if self.bound_target else None
+        with torch.no_grad():
+            tgt_logits = target_logits_from_last_hidden(target_head, features.last_hidden, draft_ids, softcap)
+            tgt_logits = tgt_logits.to(self.device)
+            target_p = torch.softmax(tgt_logits, dim=-1)  # (B, T, Vd): position s predicts token s + 1
+            target_top = tgt_logits.argmax(-1)  # draft-vocab index of the target's choice
+            in_vocab = torch.ones_like(loss_mask)
+            if self.config.draft_vocab_size < self.config.target_vocab_size:
+                full = target_logits_from_last_hidden(target_head, features.last_hidden, None, softcap)
+                in_vocab = self.t2d.to(full.device)[full.argmax(-1)].to(loss_mask.device)
+                del full
+        outs = self.ttt_forward(input_ids, features.hidden_states, attn_mask, steps)
+        loss = torch.zeros((), device=self.device)
+        correct, valid_n, chain = [], [], []
+        chain_ok = None
+        anchors = None
+        for j, (logits, _) in enumerate(outs):
+            width = t - 2 - j  # anchors whose predicted token (t + 2 + j) exists
+            if width <= 0:
+                correct.append(torch.zeros((), device=self.device))
+                valid_n.append(torch.zeros((), device=self.device))
+                chain.append(torch.zeros((), device=self.device))
+                continue
+            pred_pos = slice(2 + j, 2 + j + width)  # token positions predicted
+            lab_pos = slice(1 + j, 1 + j + width)  # target distribution positions
+            valid = loss_mask[:, pred_pos] & in_vocab[:, lab_pos]
+            logp = torch.log_softmax(logits[:, :width].float(), dim=-1)
+            ce = -(target_p[:, lab_pos] * logp).sum(-1)
+            n_valid = valid.sum()
+            loss = loss + (decay**j) * (ce * valid).sum() / n_valid.clamp(min=1)
+            hit = (logits[:, :width].argmax(-1) == target_top[:, lab_pos]) & valid
+            if chain_ok is None:
+                anchors = valid
+                chain_ok = hit
+            else:
+                chain_ok = chain_ok[:, :width] & hit
+            correct.append(hit.sum().float())
+            valid_n.append(n_valid.float())
+            chain.append((chain_ok & anchors[:, :width]).sum().float())
+        return DraftLossOutput(
+            loss=loss,
+            correct=torch.stack(correct),
+            valid=torch.stack(valid_n),
+            chain_correct=torch.stack(chain),
+            anchors=anchors.sum().float() if anchors is not None else torch.zeros((), device=self.device),
+        )
 
     # ------------------------------------------------------------------------------------------------------------
     # proposal interface

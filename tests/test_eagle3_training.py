@@ -1,0 +1,103 @@
+"""EAGLE-3 training objective: train/inference consistency of the training-time test, and the loss itself."""
+
+import pytest
+import torch
+from drafter_tester import prefill_inputs
+from helpers import ARCHS, make_target, ragged_batch
+
+from hf_specdec import AutoModelForDrafting, DraftInputs, Eagle3Config
+from hf_specdec.layers import SlotKVCache
+from hf_specdec.training.features import capture_target_features, target_logits_from_last_hidden
+
+
+def _drafter(target, **kw):
+    torch.manual_seed(0)
+    return AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, **kw)).eval().bind_target(target)
+
+
+@pytest.mark.parametrize("anchor", [3, 7])
+def test_ttt_step_j_equals_inference_drafting_with_teacher_forcing(anchor):
+    """Step j of TTT at anchor t computes exactly what the j-th drafted slot computes at inference."""
+    target = make_target("llama", seed=2)
+    drafter = _drafter(target)
+    ids, mask = ragged_batch(1, length=14)
+    feats = capture_target_features(target, ids, mask, drafter.config.target_layer_ids)
+    outs = drafter.ttt_forward(ids, feats.hidden_states, mask, steps=4)
+
+    # Inference: observe the verified context up to the anchor, then draft with the true next tokens.
+    full = prefill_inputs(target, ids, mask, torch.tensor([0]))
+    sl = slice(0, anchor + 1)
+    state = drafter.init_draft_state(1, 64)
+    drafter.observe(
+        state,
+        DraftInputs(
+            next_token_ids=ids[:, sl.start + 1 : anchor + 2],
+            position_ids=full.position_ids[:, sl],
+            valid=full.valid[:, sl],
+            hidden_states=tuple(h[:, sl] for h in full.hidden_states),
+        ),
+    )
+    torch.testing.assert_close(state.last_logits, outs[0][0][:, anchor], rtol=1e-5, atol=1e-5)
+    hidden = state.last_hidden
+    for j in range(1, 4):
+        emb = drafter.embed_target_tokens(ids[:, anchor + 1 + j : anchor + 2 + j])
+        pos = torch.tensor([[anchor + j]])
+        out, logits = drafter._step(emb, hidden[:, None], pos, torch.ones(1, 1, dtype=torch.bool), state.cache)
+        hidden = out[:, 0]
+        torch.testing.assert_close(logits[:, 0], outs[j][0][:, anchor], rtol=1e-5, atol=1e-5)
+    assert isinstance(state.cache, SlotKVCache)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_last_hidden_reproduces_target_logits(arch):
+    """Soft labels are recomputed from output_hidden_states[-1]: it must be the LM-head input for every arch."""
+    target = make_target(arch, seed=1)
+    ids, mask = ragged_batch(2)
+    feats = capture_target_features(target, ids, mask, [1])
+    logits = target(input_ids=ids, attention_mask=mask).logits.float()
+    head = target.get_output_embeddings()
+    softcap = getattr(target.config, "final_logit_softcapping", None)
+    torch.testing.assert_close(target_logits_from_last_hidden(head, feats.last_hidden, softcap=softcap), logits)
+
+
+def test_loss_masks_and_metrics():
+    target = make_target("llama", seed=2)
+    drafter = _drafter(target)
+    ids, mask = ragged_batch(2, length=12)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, 8:] = 1
+    feats = capture_target_features(target, ids, mask, drafter.config.target_layer_ids)
+    batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask}
+    out = drafter.compute_loss(batch, feats, target.get_output_embeddings(), steps=3)
+    assert out.loss.requires_grad and out.loss.item() > 0
+    # Step j scores anchors t with t + 2 + j in [8, 12): 4 tokens per row at every step.
+    assert out.valid.tolist() == [8.0, 8.0, 8.0]
+    assert out.anchors.item() == 8.0
+    assert (out.chain_correct <= out.correct).all() and (out.correct <= out.valid).all()
+    none = drafter.compute_loss({**batch, "loss_mask": torch.zeros_like(ids)}, feats, target.get_output_embeddings())
+    assert none.loss.item() == 0.0 and none.valid.sum().item() == 0
+
+
+def test_a_few_steps_lower_the_loss_and_touch_only_drafter_parameters():
+    target = make_target("llama", seed=2, sharpen=20.0)  # a peaked target: something to learn
+    drafter = _drafter(target, draft_vocab_size=64)
+    ids, mask = ragged_batch(4, length=16, seed=3)
+    counts = torch.bincount(ids.flatten(), minlength=target.config.vocab_size)
+    drafter.init_from_data(counts)
+    drafter.check_draft_vocab()
+    target_before = {k: v.clone() for k, v in target.state_dict().items()}
+    feats = capture_target_features(target, ids, mask, drafter.config.target_layer_ids)
+    batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask}
+    drafter.train()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(25):
+        out = drafter.compute_loss(batch, feats, target.get_output_embeddings())
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(out.loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+    for k, v in target.state_dict().items():
+        assert torch.equal(v, target_before[k]), k
+    assert all(p.grad is None or p.grad.abs().sum() > 0 for p in drafter.parameters())
