@@ -1,0 +1,574 @@
+"""`DrafterTrainer`: trains any drafter family for a frozen target, on one CPU or many GPUs (accelerate).
+
+The trainer never branches on the family: it asks the drafter for ``compute_loss(batch, features, target_head)``
+and for its data-dependent initialisation (``init_from_data``). Target features come either from the batch (offline
+features dumped with ``hf-specdec dump-features``) or from running the frozen target inside the step (online).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import resource
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .features import TargetFeatures, capture_target_features
+
+__all__ = ["DrafterTrainingArguments", "DrafterTrainer", "TrainingMetrics", "find_latest_checkpoint"]
+
+CHECKPOINT_PREFIX = "checkpoint-"
+LATEST_FILE = "latest_checkpoint"
+RECORD_FILE = "training_record.json"
+
+
+@dataclass
+class DrafterTrainingArguments:
+    """Options of :class:`DrafterTrainer` (the ``hf-specdec train`` flags map onto these)."""
+
+    output_dir: str
+    num_train_epochs: float = 1.0
+    max_steps: int = -1  # optimizer steps; > 0 overrides num_train_epochs
+    batch_size: int = 8  # per process
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 3e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    warmup_ratio: float = 0.03
+    warmup_steps: int = 0  # > 0 overrides warmup_ratio
+    lr_scheduler_type: str = "cosine"  # any transformers scheduler name: linear, cosine, constant_with_warmup, ...
+    max_grad_norm: float = 0.5
+    mixed_precision: str = "no"  # no | bf16 | fp16
+    ttt_steps: int | None = None  # unrolled draft steps in the loss (default: the drafter's num_draft_tokens)
+    save_steps: int = 200
+    save_total_limit: int | None = 2
+    eval_steps: int = 100
+    logging_steps: int = 10
+    seed: int = 0
+    group_by_length: bool = True
+    report_to: str = "auto"  # none | tensorboard | wandb | auto (whatever is installed)
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision must be no, bf16 or fp16, got {self.mixed_precision!r}.")
+        for name in ("batch_size", "gradient_accumulation_steps", "save_steps", "eval_steps", "logging_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}.")
+        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+            raise ValueError("Set max_steps > 0 or num_train_epochs > 0.")
+
+
+@dataclass
+class TrainingMetrics:
+    """Aggregated draft metrics: loss, per-depth accuracy and the simulated mean accepted length."""
+
+    loss_sum: float = 0.0
+    batches: int = 0
+    correct: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    chain: torch.Tensor | None = None
+    anchors: float = 0.0
+    tokens: int = 0
+
+    def add(self, out, tokens: int) -> None:
+        self.loss_sum += float(out.loss.detach())
+        self.batches += 1
+        self.tokens += tokens
+        c, v, ch = out.correct.detach().double().cpu(), out.valid.detach().double().cpu(), out.chain_correct.detach()
+        ch = ch.double().cpu()
+        self.correct = c if self.correct is None else self.correct + c
+        self.valid = v if self.valid is None else self.valid + v
+        self.chain = ch if self.chain is None else self.chain + ch
+        self.anchors += float(out.anchors)
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(1, self.batches)
+
+    @property
+    def accuracy(self) -> list[float]:
+        if self.correct is None:
+            return []
+        return (self.correct / self.valid.clamp(min=1)).tolist()
+
+    @property
+    def simulated_tau(self) -> float:
+        """1 + Σ_j P(drafts 0..j all correct): τ of greedy chain drafting under teacher forcing."""
+        if self.chain is None or self.anchors == 0:
+            return 1.0
+        return 1.0 + float(self.chain.sum()) / self.anchors
+
+    def as_dict(self, prefix: str = "") -> dict[str, Any]:
+        out = {f"{prefix}loss": round(self.loss, 5), f"{prefix}simulated_tau": round(self.simulated_tau, 4)}
+        for j, acc in enumerate(self.accuracy):
+            out[f"{prefix}acc_{j}"] = round(acc, 4)
+        return out
+
+
+def find_latest_checkpoint(output_dir: str) -> str | None:
+    """The newest complete checkpoint in ``output_dir`` (``None`` if there is none)."""
+    pointer = os.path.join(output_dir, LATEST_FILE)
+    if os.path.exists(pointer):
+        with open(pointer) as fh:
+            name = fh.read().strip()
+        path = os.path.join(output_dir, name)
+        if not os.path.isdir(path):
+            raise ValueError(
+                f"{pointer} names {name!r}, which does not exist. The output directory was modified by hand; "
+                "delete the pointer file to start over or restore the checkpoint."
+            )
+        return path
+    steps = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        if name.startswith(CHECKPOINT_PREFIX) and name[len(CHECKPOINT_PREFIX) :].isdigit():
+            steps.append(int(name[len(CHECKPOINT_PREFIX) :]))
+    return os.path.join(output_dir, f"{CHECKPOINT_PREFIX}{max(steps)}") if steps else None
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # numpy is optional
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class _LossModule(nn.Module):
+    """Routes the loss through ``forward`` so DDP/FSDP wrappers see the call (gradient synchronisation)."""
+
+    def __init__(self, drafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, batch, features, target_head, steps):
+        return self.drafter.compute_loss(batch, features, target_head, steps=steps)
+
+
+class DrafterTrainer:
+    """Trains ``drafter`` to draft for the frozen ``target``.
+
+    Args:
+        drafter: a :class:`~hf_specdec.DrafterPreTrainedModel` (fresh or pretrained).
+        target: the target causal LM; frozen (``requires_grad_(False)``) and never modified.
+        args: :class:`DrafterTrainingArguments`.
+        train_dataset / eval_dataset: datasets of dicts with ``input_ids``, ``loss_mask`` (and, for offline features,
+            ``target_hidden_states`` / ``target_last_hidden``).
+        collate_fn: batches items; defaults to right padding with the target's pad id.
+        data_info: free-form description of the data, stored in the training record.
+        on_step: called as ``on_step(step, metrics_dict)`` after every optimizer step (e.g. for custom logging).
+    """
+
+    def __init__(
+        self,
+        drafter,
+        target,
+        args: DrafterTrainingArguments,
+        train_dataset,
+        eval_dataset=None,
+        collate_fn: Callable | None = None,
+        data_info: dict | None = None,
+        on_step: Callable[[int, dict], None] | None = None,
+    ):
+        from accelerate import Accelerator
+
+        from .data import DataCollator, ResumableBatchSampler
+
+        self.args = args
+        self.drafter = drafter
+        self.target = target
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.data_info = data_info or {}
+        self.on_step = on_step
+        log_with = self._trackers(args.report_to)
+        self.accelerator = Accelerator(
+            mixed_precision=args.mixed_precision,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            log_with=log_with or None,
+            project_dir=args.output_dir,
+        )
+        pad = getattr(target.config, "pad_token_id", None)
+        if pad is None:
+            eos = getattr(target.config, "eos_token_id", None)
+            pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+        self.collate_fn = collate_fn or DataCollator(pad_token_id=int(pad))
+
+        target.requires_grad_(False)
+        target.eval()
+        if not getattr(target, "hf_device_map", None):
+            target.to(self.accelerator.device)
+        drafter.bind_target(target)
+        drafter.to(self.accelerator.device)
+        self.target_head = target.get_output_embeddings()
+
+        lengths = [len(train_dataset[i]["input_ids"]) for i in range(len(train_dataset))]
+        self.sampler = ResumableBatchSampler(
+            lengths, args.batch_size, shuffle=True, seed=args.seed, group_by_length=args.group_by_length
+        )
+        world = self.accelerator.num_processes
+        if len(self.sampler) < world:
+            raise ValueError(
+                f"The training data gives {len(self.sampler)} batches per epoch, fewer than the {world} processes; "
+                "add data or lower the batch size."
+            )
+        per_epoch = max(1, len(self.sampler) // world)
+        self.micro_batches_per_epoch = per_epoch
+        if args.max_steps > 0:
+            self.total_steps = args.max_steps
+        else:
+            self.total_steps = max(1, math.ceil(args.num_train_epochs * per_epoch / args.gradient_accumulation_steps))
+        warmup = args.warmup_steps if args.warmup_steps > 0 else int(args.warmup_ratio * self.total_steps)
+
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("The drafter has no trainable parameters.")
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=args.learning_rate,
+            betas=(args.adam_beta1, args.adam_beta2),
+        )
+        from transformers import get_scheduler
+
+        self.scheduler = get_scheduler(
+            args.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup, num_training_steps=self.total_steps
+        )
+        self.loss_module, self.optimizer, self.scheduler = self.accelerator.prepare(
+            _LossModule(drafter), self.optimizer, self.scheduler
+        )
+        self.step = 0
+        self.history: list[dict] = []
+        self.eval_history: list[dict] = []
+
+    # ------------------------------------------------------------------------------------------------ helpers
+    @staticmethod
+    def _trackers(report_to: str) -> list[str]:
+        import importlib.util
+
+        if report_to == "none":
+            return []
+        available = [
+            name for name, mod in (("tensorboard", "tensorboard"), ("wandb", "wandb")) if importlib.util.find_spec(mod)
+        ]
+        if report_to == "auto":
+            return available[:1]
+        if report_to not in ("tensorboard", "wandb"):
+            raise ValueError(f"report_to must be none, auto, tensorboard or wandb; got {report_to!r}.")
+        if report_to not in available:
+            raise ValueError(f"report_to={report_to!r} but the {report_to} package is not installed.")
+        return [report_to]
+
+    @property
+    def unwrapped_drafter(self):
+        return self.accelerator.unwrap_model(self.loss_module).drafter
+
+    def _features(self, batch: dict) -> TargetFeatures:
+        if "target_hidden_states" in batch:
+            hs = batch["target_hidden_states"]
+            hs = list(hs) if isinstance(hs, (list, tuple)) else list(hs.unbind(1))
+            dtype = next(self.unwrapped_drafter.parameters()).dtype
+            return TargetFeatures(hidden_states=hs, last_hidden=batch["target_last_hidden"]).to(
+                self.accelerator.device, dtype
+            )
+        layer_ids = self.unwrapped_drafter.config.target_layer_ids or []
+        ids = batch["input_ids"]
+        return capture_target_features(self.target, ids, batch.get("attention_mask"), layer_ids)
+
+    def _to_device(self, batch: dict) -> dict:
+        out = {}
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor):
+                out[key] = value.to(self.accelerator.device)
+            elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+                out[key] = [v.to(self.accelerator.device) for v in value]
+            else:
+                out[key] = value
+        return out
+
+    def _micro_batches(self):
+        """Endless stream of this process's batches.
+
+        Every process draws the same ``world`` global batches per micro-step and keeps its own, so the sampler state
+        (the data position saved in checkpoints) is identical on all processes after every micro-step.
+        """
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        while True:
+            group = []
+            for indices in self.sampler:  # the rest of the current epoch, then the sampler moves to the next one
+                group.append(indices)
+                if len(group) == world:
+                    yield self.collate_fn([self.train_dataset[j] for j in group[rank]])
+                    group = []
+
+    # ------------------------------------------------------------------------------------------------ data init
+    def token_counts(self) -> torch.Tensor:
+        """Counts of loss tokens in the training data over the target vocabulary."""
+        vocab = self.unwrapped_drafter.config.target_vocab_size
+        counts = torch.zeros(vocab, dtype=torch.long)
+        for i in range(len(self.train_dataset)):
+            item = self.train_dataset[i]
+            ids = torch.as_tensor(item["input_ids"])
+            mask = torch.as_tensor(item["loss_mask"]).bool()
+            counts += torch.bincount(ids[mask].clamp(0, vocab - 1), minlength=vocab)
+        return counts
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> str:
+        """Writes ``checkpoint-{step}`` atomically (temp folder, then rename) and updates the latest pointer."""
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        name = f"{CHECKPOINT_PREFIX}{self.step}"
+        final = os.path.join(self.args.output_dir, name)
+        if acc.is_main_process:
+            os.makedirs(self.args.output_dir, exist_ok=True)
+            tmp = os.path.join(self.args.output_dir, f".{name}.tmp-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            self.unwrapped_drafter.save_pretrained(tmp)
+            torch.save(self.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+            torch.save(self.scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+            torch.save(_rng_state(), os.path.join(tmp, "rng_state.pt"))
+            state = {
+                "step": self.step,
+                "total_steps": self.total_steps,
+                "sampler": self.sampler.state_dict(),
+                "history": self.history,
+                "eval_history": self.eval_history,
+                "args": asdict(self.args),
+            }
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as fh:
+                json.dump(state, fh, indent=1)
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _atomic_write_text(os.path.join(self.args.output_dir, LATEST_FILE), name)
+            self._rotate_checkpoints()
+        acc.wait_for_everyone()
+        return final
+
+    def _rotate_checkpoints(self) -> None:
+        limit = self.args.save_total_limit
+        if not limit:
+            return
+        names = [
+            n
+            for n in os.listdir(self.args.output_dir)
+            if n.startswith(CHECKPOINT_PREFIX) and n[len(CHECKPOINT_PREFIX) :].isdigit()
+        ]
+        names.sort(key=lambda n: int(n[len(CHECKPOINT_PREFIX) :]))
+        for old in names[:-limit]:
+            shutil.rmtree(os.path.join(self.args.output_dir, old), ignore_errors=True)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restores drafter, optimizer, scheduler, RNG and data position from ``path``."""
+        from safetensors.torch import load_file
+
+        required = ["model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pt", "trainer_state.json"]
+        missing = [f for f in required if not os.path.exists(os.path.join(path, f))]
+        if missing:
+            raise ValueError(f"Checkpoint {path} is incomplete (missing {missing}); resume from another checkpoint.")
+        try:
+            with open(os.path.join(path, "trainer_state.json")) as fh:
+                state = json.load(fh)
+            weights = load_file(os.path.join(path, "model.safetensors"), device=str(self.accelerator.device))
+            opt_state = torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=False)
+            sched_state = torch.load(os.path.join(path, "scheduler.pt"), map_location="cpu", weights_only=False)
+            rng = torch.load(os.path.join(path, "rng_state.pt"), map_location="cpu", weights_only=False)
+        except Exception as err:  # noqa: BLE001 - any parse failure means the same thing to the user
+            raise ValueError(
+                f"Checkpoint {path} is corrupt ({type(err).__name__}: {err}). Delete it (and the "
+                f"'{LATEST_FILE}' pointer) to resume from an earlier checkpoint."
+            ) from err
+        drafter = self.unwrapped_drafter
+        result = drafter.load_state_dict(weights, strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            raise ValueError(
+                f"Checkpoint {path} does not match this drafter (missing {result.missing_keys}, unexpected "
+                f"{result.unexpected_keys}); it was written for another drafter configuration."
+            )
+        self.optimizer.load_state_dict(opt_state)
+        self.scheduler.load_state_dict(sched_state)
+        _set_rng_state(rng)
+        self.sampler.load_state_dict(state["sampler"])
+        self.step = int(state["step"])
+        self.history = state.get("history", [])
+        self.eval_history = state.get("eval_history", [])
+
+    # ------------------------------------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, dataset=None) -> TrainingMetrics:
+        """Loss, per-depth accuracy and simulated τ on ``dataset`` (default: the held-out split)."""
+        dataset = dataset if dataset is not None else self.eval_dataset
+        metrics = TrainingMetrics()
+        if dataset is None or len(dataset) == 0:
+            return metrics
+        module = self.loss_module
+        module.eval()
+        order = sorted(range(len(dataset)), key=lambda i: len(dataset[i]["input_ids"]))
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        for start in range(0, len(order), self.args.batch_size):
+            if (start // self.args.batch_size) % world != rank:
+                continue
+            batch = self._to_device(self.collate_fn([dataset[i] for i in order[start : start + self.args.batch_size]]))
+            out = module(batch, self._features(batch), self.target_head, self.args.ttt_steps)
+            metrics.add(out, int(batch["attention_mask"].sum()))
+        module.train()
+        return metrics
+
+    # ------------------------------------------------------------------------------------------------ training
+    def train(self, resume: bool | str = False) -> dict:
+        """Runs training; ``resume=True`` continues from the latest checkpoint in ``output_dir`` (or a path).
+
+        Returns the training record (also written to ``output_dir/training_record.json``).
+        """
+        args, acc = self.args, self.accelerator
+        torch.manual_seed(args.seed)
+        random.seed(args.seed)
+        if resume:
+            path = resume if isinstance(resume, str) else find_latest_checkpoint(args.output_dir)
+            if path is None:
+                raise ValueError(f"--resume: no checkpoint found in {args.output_dir}.")
+            self.load_checkpoint(path)
+        elif self.step == 0:
+            self.unwrapped_drafter.init_from_data(self.token_counts())
+        if acc.trackers:
+            acc.init_trackers("hf_specdec", config={k: v for k, v in asdict(args).items() if v is not None})
+
+        from tqdm.auto import tqdm
+
+        bar = tqdm(
+            total=self.total_steps,
+            initial=self.step,
+            disable=not (args.progress and acc.is_main_process),
+            desc="training drafter",
+        )
+        module = self.loss_module
+        module.train()
+        stream = self._micro_batches()
+        window = TrainingMetrics()
+        t0, tokens0 = time.perf_counter(), 0
+        while self.step < self.total_steps:
+            step_metrics = TrainingMetrics()
+            for _ in range(args.gradient_accumulation_steps):
+                batch = self._to_device(next(stream))
+                features = self._features(batch)
+                with acc.accumulate(module):
+                    out = module(batch, features, self.target_head, args.ttt_steps)
+                    acc.backward(out.loss)
+                    if acc.sync_gradients and args.max_grad_norm:
+                        acc.clip_grad_norm_(module.parameters(), args.max_grad_norm)
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                n_tok = int(batch["attention_mask"].sum())
+                step_metrics.add(out, n_tok)
+                window.add(out, n_tok)
+                tokens0 += n_tok
+            self.step += 1
+            record = {"step": self.step, "lr": self.scheduler.get_last_lr()[0], **step_metrics.as_dict()}
+            self.history.append(record)
+            bar.update(1)
+            bar.set_postfix(
+                loss=f"{step_metrics.loss:.3f}",
+                acc0=f"{step_metrics.accuracy[0]:.2f}" if step_metrics.accuracy else "-",
+                tau=f"{window.simulated_tau:.2f}",
+            )
+            if self.step % args.logging_steps == 0:
+                if acc.trackers:
+                    acc.log(window.as_dict("train/"), step=self.step)
+                window = TrainingMetrics()
+            if self.eval_dataset is not None and self.step % args.eval_steps == 0:
+                ev = self.evaluate()
+                self.eval_history.append({"step": self.step, **ev.as_dict()})
+                bar.write(f"step {self.step}: eval " + json.dumps(ev.as_dict()))
+                if acc.trackers:
+                    acc.log(ev.as_dict("eval/"), step=self.step)
+            if self.on_step is not None:
+                self.on_step(self.step, record)
+            if self.step % args.save_steps == 0 and self.step < self.total_steps:
+                self.save_checkpoint()
+        bar.close()
+        elapsed = time.perf_counter() - t0
+        return self._finish(elapsed, tokens0)
+
+    def _finish(self, elapsed: float, tokens: int) -> dict:
+        acc, args = self.accelerator, self.args
+        final_eval = self.evaluate() if self.eval_dataset is not None else None
+        self.save_checkpoint()
+        record = None
+        if acc.is_main_process:
+            drafter = self.unwrapped_drafter
+            drafter.save_pretrained(args.output_dir)
+            peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            cfg = drafter.config
+            from .. import __version__
+
+            record = {
+                "hf_specdec_version": __version__,
+                "family": cfg.model_type,
+                "target": {
+                    "name_or_path": cfg.target_model_name_or_path,
+                    "model_type": cfg.target_model_type,
+                    "num_hidden_layers": cfg.target_num_hidden_layers,
+                    "hidden_size": cfg.target_hidden_size,
+                },
+                "data": self.data_info,
+                "steps": self.step,
+                "total_steps": self.total_steps,
+                "train_examples": len(self.train_dataset),
+                "eval_examples": 0 if self.eval_dataset is None else len(self.eval_dataset),
+                "final_train": self.history[-1] if self.history else None,
+                "final_eval": None if final_eval is None else final_eval.as_dict(),
+                "eval_history": self.eval_history,
+                "tokens_per_second": round(tokens / elapsed, 1) if elapsed > 0 else None,
+                "wall_time_s": round(elapsed, 2),
+                "peak_rss_mb": round(peak_rss_mb, 1),
+                "peak_gpu_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1)
+                if torch.cuda.is_available()
+                else None,
+                "processes": acc.num_processes,
+                "args": asdict(args),
+            }
+            _atomic_write_text(os.path.join(args.output_dir, RECORD_FILE), json.dumps(record, indent=1))
+        if acc.trackers:
+            acc.end_training()
+        acc.wait_for_everyone()
+        return record or {}
