@@ -15,7 +15,7 @@ from transformers.modeling_outputs import ModelOutput
 
 from ...generation.proposals import DraftInputs, Proposal, TokenSelector
 from ...layers import GatedMLP, RMSNorm, RotaryEmbedding, SlotKVCache, apply_rotary, slot_attention
-from ...modeling_utils import DraftLossOutput, DrafterPreTrainedModel
+from ...modeling_utils import DrafterPreTrainedModel, DraftLossOutput
 from .configuration_eagle3 import Eagle3Config
 
 __all__ = ["Eagle3ForDrafting", "Eagle3DraftState", "Eagle3Output"]

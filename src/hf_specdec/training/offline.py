@@ -1,0 +1,612 @@
+"""Offline target features: run the frozen target once, store what the drafter reads, train many times.
+
+:func:`dump_features` writes, for every training example, the token ids, the loss mask, the target hidden states
+named by the drafter's ``target_layer_ids`` and the target's final hidden state (from which target logits are
+recomputed, see :func:`~hf_specdec.training.features.target_logits_from_last_hidden`) into sharded safetensors files
+plus an ``index.json``. :class:`OfflineFeatureDataset` reads them back memory-mapped, and :func:`collate_offline`
+batches them into the same layout as :class:`~hf_specdec.training.features.TargetFeatures`.
+
+Layout of a dump directory::
+
+    index.json                    # metadata + list of completed shards with their example ids
+    features-00000.safetensors    # keys "{i}.input_ids" (int32), "{i}.loss_mask" (uint8),
+    features-00001.safetensors    #      "{i}.layers" (num_layers, seq, hidden), "{i}.last_hidden" (seq, hidden)
+
+Shards are streamed to disk (a shard is never held in memory as a whole) and published atomically, so a crash
+loses at most the shard being written; ``resume=True`` continues from the completed shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..configuration_utils import get_text_config
+from .features import capture_target_features
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "INDEX_NAME",
+    "estimate_feature_bytes",
+    "dump_features",
+    "OfflineFeatureDataset",
+    "collate_offline",
+]
+
+FORMAT_NAME = "hf_specdec.offline_features"
+FORMAT_VERSION = 1
+INDEX_NAME = "index.json"
+_SHARD_PATTERN = "features-{:05d}.safetensors"
+
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.uint8: "U8",
+}
+_FEATURE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _resolve_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    else:
+        resolved = _FEATURE_DTYPES.get(str(dtype).removeprefix("torch."))
+    if resolved not in _FEATURE_DTYPES.values():
+        raise ValueError(f"Unsupported feature dtype {dtype!r}; use one of {sorted(_FEATURE_DTYPES)}.")
+    return resolved
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def estimate_feature_bytes(num_tokens: int, hidden_size: int, num_layers: int, dtype) -> int:
+    """Bytes needed to store offline features for ``num_tokens`` tokens (excluding small file headers).
+
+    Per token: ``num_layers`` selected hidden states plus the final hidden state, each ``hidden_size`` values of
+    ``dtype``, plus the token id (int32) and the loss mask (uint8).
+
+    Args:
+        num_tokens: total number of tokens over all examples.
+        hidden_size: the target's hidden size.
+        num_layers: number of stored target layers (``len(layer_ids)``).
+        dtype: feature dtype (``torch.bfloat16``, ``torch.float16``, ``torch.float32`` or their names).
+
+    Returns:
+        The estimated size in bytes.
+    """
+    itemsize = torch.empty((), dtype=_resolve_dtype(dtype)).element_size()
+    per_token = (int(num_layers) + 1) * int(hidden_size) * itemsize + 4 + 1
+    return int(num_tokens) * per_token
+
+
+def _format_bytes(n: int) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e6:.3g} MB"
+
+
+def _as_long_list(value, name: str, i: int) -> list[int]:
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1:
+            raise ValueError(f"Example {i}: {name} must be 1-D, got shape {tuple(value.shape)}.")
+        return [int(v) for v in value.tolist()]
+    return [int(v) for v in value]
+
+
+def _normalize_example(example: dict, i: int) -> tuple[list[int], list[int]]:
+    if "input_ids" not in example:
+        raise ValueError(f"Example {i} has no 'input_ids'.")
+    ids = _as_long_list(example["input_ids"], "input_ids", i)
+    if not ids:
+        raise ValueError(f"Example {i} has no tokens.")
+    mask = example.get("loss_mask")
+    mask = [1] * len(ids) if mask is None else _as_long_list(mask, "loss_mask", i)
+    if len(mask) != len(ids):
+        raise ValueError(f"Example {i}: loss_mask has {len(mask)} entries for {len(ids)} input_ids.")
+    return ids, mask
+
+
+def _atomic_write_json(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class _ShardWriter:
+    """Streams a safetensors file whose tensor names, dtypes and shapes are known up front.
+
+    The header (offsets) is written first; tensors are then appended in exactly the declared order, so a shard is
+    never materialised in memory. The file is written under a temporary name and published with ``os.replace``.
+    """
+
+    def __init__(self, path: str, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]):
+        self.path = path
+        self.tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.tmp-{os.getpid()}")
+        self.specs = specs
+        header: dict[str, Any] = {"__metadata__": metadata}
+        offset = 0
+        for name, dtype, shape in specs:
+            nbytes = torch.empty((), dtype=dtype).element_size()
+            for d in shape:
+                nbytes *= d
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
+        self._file = open(self.tmp, "wb")
+        self._file.write(struct.pack("<Q", len(raw)))
+        self._file.write(raw)
+        self._next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        exp_name, exp_dtype, exp_shape = self.specs[self._next]
+        if name != exp_name or tensor.dtype != exp_dtype or tuple(tensor.shape) != exp_shape:
+            raise RuntimeError(
+                f"Shard writer expected {exp_name} {exp_dtype} {exp_shape}, got {name} {tensor.dtype} "
+                f"{tuple(tensor.shape)}."
+            )
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self._file.write(data.numpy().tobytes())
+        self._next += 1
+
+    def commit(self) -> None:
+        if self._next != len(self.specs):
+            raise RuntimeError(f"Shard writer got {self._next} of {len(self.specs)} tensors.")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if os.path.exists(self.tmp):
+            os.remove(self.tmp)
+
+
+def _shard_readable(path: str) -> bool:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            f.keys()
+    except Exception:
+        return False
+    return True
+
+
+def _plan_shards(ids: list[int], lengths: list[int], shard_tokens: int) -> list[list[int]]:
+    shards: list[list[int]] = []
+    current: list[int] = []
+    tokens = 0
+    for i in ids:
+        current.append(i)
+        tokens += lengths[i]
+        if tokens >= shard_tokens:
+            shards.append(current)
+            current, tokens = [], 0
+    if current:
+        shards.append(current)
+    return shards
+
+
+def dump_features(
+    target: nn.Module,
+    examples: Sequence[dict],
+    layer_ids: list[int],
+    output_dir: str | os.PathLike,
+    dtype=torch.bfloat16,
+    batch_size: int = 8,
+    shard_tokens: int = 100_000,
+    resume: bool = True,
+    progress: bool = True,
+    log: Callable[[str], Any] | None = print,
+) -> dict:
+    """Runs the frozen target over ``examples`` and writes the drafter's target features to ``output_dir``.
+
+    Examples are processed in order, in right-padded batches of ``batch_size`` (with an attention mask) through
+    :func:`~hf_specdec.training.features.capture_target_features`; padding is stripped before writing. Examples are
+    grouped into shards of at least ``shard_tokens`` tokens (the last one may be smaller); each shard is streamed to a
+    temporary file and renamed into place, then ``index.json`` is rewritten atomically.
+
+    Args:
+        target: the frozen target causal LM.
+        examples: a sequence of ``{"input_ids": list[int] | LongTensor, "loss_mask": list[int] | LongTensor}``;
+            position ``i`` is the example id. A missing ``loss_mask`` means all ones.
+        layer_ids: target hidden states to store (``output_hidden_states`` indices; the drafter's
+            ``config.target_layer_ids``).
+        output_dir: directory of the dump (created if needed).
+        dtype: storage dtype of the features (``torch.bfloat16`` by default, also float16/float32).
+        batch_size: examples per target forward pass.
+        shard_tokens: minimum number of tokens per shard file.
+        resume: continue an existing dump in ``output_dir`` (examples in completed shards are skipped). With
+            ``False``, an existing dump there is replaced.
+        progress: show a tqdm progress bar (in tokens).
+        log: callable receiving human-readable messages (the size estimate, resume status); ``None`` silences.
+
+    Returns:
+        The index dictionary (also written to ``output_dir/index.json``).
+
+    Raises:
+        ValueError: on malformed examples or invalid layer ids, or when resuming a dump made with different
+            ``layer_ids``, ``dtype`` or number of examples.
+    """
+    log = log or (lambda _msg: None)
+    dtype = _resolve_dtype(dtype)
+    layer_ids = [int(i) for i in layer_ids]
+    if not layer_ids:
+        raise ValueError("layer_ids must name at least one target hidden state.")
+    if batch_size < 1 or shard_tokens < 1:
+        raise ValueError("batch_size and shard_tokens must be positive.")
+    text_config = get_text_config(target.config)
+    num_hidden_layers = getattr(text_config, "num_hidden_layers", None)
+    if num_hidden_layers is not None:
+        bad = [i for i in layer_ids if not 0 <= i <= num_hidden_layers]
+        if bad:
+            raise ValueError(
+                f"layer_ids {bad} are out of range: ids index output_hidden_states (0..{num_hidden_layers})."
+            )
+    hidden_size = int(text_config.hidden_size)
+    output_dir = os.fspath(output_dir)
+
+    normalized = [_normalize_example(ex, i) for i, ex in enumerate(examples)]
+    lengths = [len(ids) for ids, _ in normalized]
+    total_tokens = sum(lengths)
+    num_examples = len(normalized)
+
+    metadata = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "layer_ids": layer_ids,
+        "dtype": _dtype_name(dtype),
+        "hidden_size": hidden_size,
+        "num_layers": len(layer_ids),
+        "target_name_or_path": getattr(target.config, "_name_or_path", None) or None,
+        "target_model_type": getattr(text_config, "model_type", None) or getattr(target.config, "model_type", None),
+        "num_examples": num_examples,
+        "total_tokens": total_tokens,
+    }
+
+    os.makedirs(output_dir, exist_ok=True)
+    index_path = os.path.join(output_dir, INDEX_NAME)
+    for name in os.listdir(output_dir):  # leftovers of interrupted writes
+        if name.startswith(".features-") and ".tmp-" in name:
+            os.remove(os.path.join(output_dir, name))
+
+    completed: list[dict] = []
+    if os.path.exists(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                old = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            if resume:
+                raise ValueError(f"Cannot resume: {index_path} is unreadable ({e}). Use resume=False.") from e
+            old = {}
+        if resume:
+            for key in ("layer_ids", "dtype", "num_examples"):
+                if old.get(key) != metadata[key]:
+                    raise ValueError(
+                        f"Cannot resume the dump in {output_dir}: it has {key}={old.get(key)!r} but this call has "
+                        f"{key}={metadata[key]!r}. Use the same parameters, another output_dir, or resume=False."
+                    )
+            for shard in old.get("shards", []):
+                path = os.path.join(output_dir, shard["file"])
+                if os.path.exists(path) and _shard_readable(path):
+                    completed.append(shard)
+                else:
+                    log(f"Shard {shard['file']} is missing or unreadable; its examples will be recomputed.")
+        else:
+            for shard in old.get("shards", []):
+                path = os.path.join(output_dir, str(shard.get("file", "")))
+                if os.path.isfile(path):
+                    os.remove(path)
+            os.remove(index_path)
+
+    done = {int(i) for shard in completed for i in shard["example_ids"]}
+    todo = [i for i in range(num_examples) if i not in done]
+    todo_tokens = sum(lengths[i] for i in todo)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    estimate = estimate_feature_bytes(total_tokens, hidden_size, len(layer_ids), dtype)
+    log(
+        f"Offline features: {num_examples} examples, {total_tokens} tokens, {len(layer_ids)} layers + last hidden "
+        f"x {hidden_size} x {_dtype_name(dtype)} ({itemsize} B): estimated disk size {_format_bytes(estimate)}."
+    )
+    if done:
+        log(
+            f"Resuming: {len(done)} examples in {len(completed)} completed shards; "
+            f"{len(todo)} examples ({_format_bytes(estimate_feature_bytes(todo_tokens, hidden_size, len(layer_ids), dtype))}) "
+            "left."
+        )
+
+    def write_index() -> dict:
+        shards = sorted(completed, key=lambda s: s["file"])
+        stored = sum(int(s["num_tokens"]) for s in shards)
+        index = dict(metadata)
+        index["complete"] = sum(len(s["example_ids"]) for s in shards) == num_examples
+        index["stored_examples"] = sum(len(s["example_ids"]) for s in shards)
+        index["stored_tokens"] = stored
+        index["shards"] = shards
+        _atomic_write_json(index_path, index)
+        return index
+
+    index = write_index()
+    if not todo:
+        return index
+
+    used = {s["file"] for s in completed}
+    next_number = 0
+    for name in used:
+        try:
+            next_number = max(next_number, int(name.removeprefix("features-").split(".")[0]) + 1)
+        except ValueError:
+            pass
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total_tokens, initial=total_tokens - todo_tokens, unit="tok", desc="target features")
+
+    pad_id = getattr(text_config, "pad_token_id", None)
+    pad_id = 0 if pad_id is None or isinstance(pad_id, (list, tuple)) else int(pad_id)
+    try:
+        device = next(target.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    shard_meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "layer_ids": json.dumps(layer_ids)}
+
+    try:
+        for shard_ids in _plan_shards(todo, lengths, shard_tokens):
+            while _SHARD_PATTERN.format(next_number) in used:
+                next_number += 1
+            file_name = _SHARD_PATTERN.format(next_number)
+            next_number += 1
+            specs = []
+            for i in shard_ids:
+                n = lengths[i]
+                specs += [
+                    (f"{i}.input_ids", torch.int32, (n,)),
+                    (f"{i}.loss_mask", torch.uint8, (n,)),
+                    (f"{i}.layers", dtype, (len(layer_ids), n, hidden_size)),
+                    (f"{i}.last_hidden", dtype, (n, hidden_size)),
+                ]
+            writer = _ShardWriter(os.path.join(output_dir, file_name), specs, shard_meta)
+            try:
+                for start in range(0, len(shard_ids), batch_size):
+                    batch = shard_ids[start : start + batch_size]
+                    max_len = max(lengths[i] for i in batch)
+                    input_ids = torch.full((len(batch), max_len), pad_id, dtype=torch.long)
+                    attention_mask = torch.zeros((len(batch), max_len), dtype=torch.long)
+                    for row, i in enumerate(batch):
+                        input_ids[row, : lengths[i]] = torch.tensor(normalized[i][0], dtype=torch.long)
+                        attention_mask[row, : lengths[i]] = 1
+                    feats = capture_target_features(target, input_ids.to(device), attention_mask.to(device), layer_ids)
+                    for row, i in enumerate(batch):
+                        n = lengths[i]
+                        ids, mask = normalized[i]
+                        writer.write(f"{i}.input_ids", torch.tensor(ids, dtype=torch.int32))
+                        writer.write(f"{i}.loss_mask", torch.tensor(mask, dtype=torch.uint8))
+                        layers = torch.stack([h[row, :n] for h in feats.hidden_states]).to(dtype)
+                        writer.write(f"{i}.layers", layers)
+                        writer.write(f"{i}.last_hidden", feats.last_hidden[row, :n].to(dtype))
+                    if bar is not None:
+                        bar.update(sum(lengths[i] for i in batch))
+                writer.commit()
+            except BaseException:
+                writer.abort()
+                raise
+            completed.append(
+                {"file": file_name, "example_ids": list(shard_ids), "num_tokens": sum(lengths[i] for i in shard_ids)}
+            )
+            used.add(file_name)
+            index = write_index()
+    finally:
+        if bar is not None:
+            bar.close()
+    on_disk = sum(os.path.getsize(os.path.join(output_dir, s["file"])) for s in index["shards"])
+    log(f"Offline features written to {output_dir}: {len(index['shards'])} shards, {_format_bytes(on_disk)}.")
+    return index
+
+
+class OfflineFeatureDataset(torch.utils.data.Dataset):
+    """Memory-mapped reader of a :func:`dump_features` directory.
+
+    Shard files are validated at construction (each must open with ``safetensors.safe_open`` and hold its listed
+    examples) and then opened lazily, once per process, so the dataset can be used with ``DataLoader`` workers.
+
+    Items are ``{"input_ids": LongTensor (seq,), "loss_mask": LongTensor (seq,), "index": int,
+    "target_hidden_states": (num_layers, seq, hidden), "target_last_hidden": (seq, hidden)}`` with features in the
+    stored dtype; ``index`` is the example id given to :func:`dump_features` (equal to the item position for a
+    complete dump).
+
+    Args:
+        path: the dump directory (or its ``index.json``).
+        allow_incomplete: accept a dump whose run did not finish (only the stored examples are served).
+
+    Raises:
+        ValueError: if ``index.json`` is missing or corrupt, a shard is missing, truncated or lacks examples, or the
+            dump is incomplete and ``allow_incomplete`` is False.
+    """
+
+    def __init__(self, path: str | os.PathLike, allow_incomplete: bool = False):
+        from safetensors import safe_open
+
+        path = os.fspath(path)
+        if os.path.basename(path) == INDEX_NAME and os.path.isfile(path):
+            path = os.path.dirname(path) or "."
+        self.path = path
+        index_path = os.path.join(path, INDEX_NAME)
+        if not os.path.isfile(index_path):
+            raise ValueError(f"No {INDEX_NAME} in {path!r}: not an offline feature dump (run dump_features first).")
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                index = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"Corrupt {index_path}: {e}. Re-run dump_features.") from e
+        required = ("layer_ids", "dtype", "hidden_size", "num_examples", "shards")
+        if not isinstance(index, dict) or any(k not in index for k in required):
+            raise ValueError(f"Corrupt {index_path}: expected keys {list(required)}. Re-run dump_features.")
+        if index.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
+            raise ValueError(
+                f"{index_path} has format version {index['format_version']}, newer than this hf_specdec supports "
+                f"({FORMAT_VERSION})."
+            )
+        self._index = index
+        self._dtype = _resolve_dtype(index["dtype"])
+        self._files: list[str] = []
+        locations: dict[int, int] = {}
+        for shard in index["shards"]:
+            file_path = os.path.join(path, shard["file"])
+            if not os.path.isfile(file_path):
+                raise ValueError(f"Shard {file_path} listed in {INDEX_NAME} is missing; re-run dump_features.")
+            try:
+                with safe_open(file_path, framework="pt") as f:
+                    keys = set(f.keys())
+            except Exception as e:
+                raise ValueError(
+                    f"Shard {file_path} is corrupt or truncated ({e}); delete it and re-run dump_features "
+                    "with resume=True."
+                ) from e
+            shard_no = len(self._files)
+            self._files.append(file_path)
+            for i in shard["example_ids"]:
+                i = int(i)
+                missing = [k for k in ("input_ids", "loss_mask", "layers", "last_hidden") if f"{i}.{k}" not in keys]
+                if missing:
+                    raise ValueError(f"Shard {file_path} lacks tensors {missing} of example {i}; re-run dump_features.")
+                locations[i] = shard_no
+        self._ids = sorted(locations)
+        self._location = locations
+        if len(self._ids) != int(index["num_examples"]) and not allow_incomplete:
+            raise ValueError(
+                f"The dump in {path!r} is incomplete ({len(self._ids)} of {index['num_examples']} examples); "
+                "finish it with dump_features(..., resume=True) or pass allow_incomplete=True."
+            )
+        self._handles: dict[int, Any] = {}
+        self._pid = os.getpid()
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_handles"] = {}
+        return state
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """The target layer ids the features were dumped with."""
+        return list(self._index["layer_ids"])
+
+    @property
+    def metadata(self) -> dict:
+        """The index metadata (everything in ``index.json`` except the shard list)."""
+        return {k: v for k, v in self._index.items() if k != "shards"}
+
+    @property
+    def example_ids(self) -> list[int]:
+        """The stored example ids, in item order."""
+        return list(self._ids)
+
+    def _handle(self, shard_no: int):
+        from safetensors import safe_open
+
+        if self._pid != os.getpid():  # forked DataLoader worker: do not share mmaps opened by the parent
+            self._handles = {}
+            self._pid = os.getpid()
+        handle = self._handles.get(shard_no)
+        if handle is None:
+            handle = safe_open(self._files[shard_no], framework="pt")
+            self._handles[shard_no] = handle
+        return handle
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __getitem__(self, i: int) -> dict:
+        if not -len(self._ids) <= i < len(self._ids):
+            raise IndexError(f"Index {i} out of range for {len(self._ids)} examples.")
+        example_id = self._ids[i]
+        f = self._handle(self._location[example_id])
+        return {
+            "input_ids": f.get_tensor(f"{example_id}.input_ids").long(),
+            "loss_mask": f.get_tensor(f"{example_id}.loss_mask").long(),
+            "index": example_id,
+            "target_hidden_states": f.get_tensor(f"{example_id}.layers"),
+            "target_last_hidden": f.get_tensor(f"{example_id}.last_hidden"),
+        }
+
+    def check_compatible(self, drafter_config) -> None:
+        """Checks that these features fit ``drafter_config`` (same target layer ids and hidden size).
+
+        Raises:
+            ValueError: if ``drafter_config.target_layer_ids`` or ``target_hidden_size`` disagree with the dump.
+        """
+        wanted = getattr(drafter_config, "target_layer_ids", None)
+        wanted = None if wanted is None else [int(i) for i in wanted]
+        if wanted != self.layer_ids:
+            raise ValueError(
+                f"Offline features in {self.path!r} hold target layers {self.layer_ids}, but the drafter reads "
+                f"target_layer_ids={wanted}. Re-dump the features with the drafter's layer ids "
+                f"(dump_features(..., layer_ids=drafter.config.target_layer_ids))."
+            )
+        hidden = getattr(drafter_config, "target_hidden_size", None)
+        if hidden is not None and int(hidden) != int(self._index["hidden_size"]):
+            raise ValueError(
+                f"Offline features in {self.path!r} have hidden size {self._index['hidden_size']}, but the drafter "
+                f"expects target_hidden_size={hidden}: they come from another target. Re-dump the features with "
+                "the drafter's target and layer ids."
+            )
+
+
+def collate_offline(items: Sequence[dict], pad_token_id: int) -> dict:
+    """Right-pads :class:`OfflineFeatureDataset` items into a batch.
+
+    Args:
+        items: dataset items.
+        pad_token_id: id written in padded ``input_ids`` positions.
+
+    Returns:
+        ``{"input_ids", "attention_mask", "loss_mask"}`` ``(batch, seq)`` LongTensors, ``"index"`` ``(batch,)``,
+        ``"target_hidden_states"``: a list with one ``(batch, seq, hidden)`` tensor per stored layer (as
+        :attr:`TargetFeatures.hidden_states`), and ``"target_last_hidden"`` ``(batch, seq, hidden)``; padded feature
+        positions are zero.
+    """
+    if not items:
+        raise ValueError("collate_offline needs at least one item.")
+    batch = len(items)
+    max_len = max(int(it["input_ids"].shape[0]) for it in items)
+    first = items[0]["target_hidden_states"]
+    num_layers, hidden = first.shape[0], first.shape[-1]
+    input_ids = torch.full((batch, max_len), int(pad_token_id), dtype=torch.long)
+    attention_mask = torch.zeros((batch, max_len), dtype=torch.long)
+    loss_mask = torch.zeros((batch, max_len), dtype=torch.long)
+    layers = torch.zeros((num_layers, batch, max_len, hidden), dtype=first.dtype)
+    last = torch.zeros((batch, max_len, hidden), dtype=items[0]["target_last_hidden"].dtype)
+    for row, it in enumerate(items):
+        n = int(it["input_ids"].shape[0])
+        input_ids[row, :n] = it["input_ids"]
+        attention_mask[row, :n] = 1
+        loss_mask[row, :n] = it["loss_mask"]
+        layers[:, row, :n] = it["target_hidden_states"]
+        last[row, :n] = it["target_last_hidden"]
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "index": torch.tensor([int(it["index"]) for it in items], dtype=torch.long),
+        "target_hidden_states": list(layers.unbind(0)),
+        "target_last_hidden": last,
+    }

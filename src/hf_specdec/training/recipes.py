@@ -1,0 +1,127 @@
+"""High-level training entry points (what ``hf-specdec train`` calls)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .trainer import DrafterTrainer, DrafterTrainingArguments
+
+__all__ = ["load_target", "make_drafter", "build_datasets", "train_drafter"]
+
+
+def load_target(path: str, dtype: str = "auto", device_map: str | None = None, trust_remote_code: bool = False):
+    """Loads a target causal LM and its tokenizer (local folder or Hub id)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if dtype != "auto":
+        kwargs["dtype"] = getattr(torch, dtype)
+    if device_map:
+        kwargs["device_map"] = device_map
+    target = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return target, tokenizer
+
+
+def make_drafter(target, drafter: Any = "eagle3", **config_overrides):
+    """A drafter for ``target``: a family name (fresh, sized with ``for_target``), a path / Hub id of a trained
+    drafter (checked against the target), or an existing drafter instance."""
+    from ..auto import AutoModelForDrafting
+    from ..modeling_utils import DrafterPreTrainedModel
+    from ..registry import DRAFTERS
+
+    if isinstance(drafter, DrafterPreTrainedModel):
+        model = drafter
+    elif isinstance(drafter, str) and drafter in DRAFTERS:
+        config = DRAFTERS[drafter].config_class.for_target(target.config, **config_overrides)
+        model = AutoModelForDrafting.from_config(config)
+    elif isinstance(drafter, (str, os.PathLike)):
+        if config_overrides:
+            raise ValueError("Architecture overrides only apply to a fresh drafter (a family name), not to a path.")
+        model = AutoModelForDrafting.from_pretrained(drafter)
+    else:
+        raise ValueError(f"Unknown drafter {drafter!r}: pass a family name ({sorted(DRAFTERS)}), a path or a model.")
+    model.check_target_compatibility(target)
+    return model
+
+
+def build_datasets(
+    data: str | list, tokenizer, max_length: int = 2048, eval_fraction: float = 0.05, seed: int = 0
+) -> tuple[Any, Any, dict]:
+    """Tokenises a JSONL file (or list of records) and splits off a held-out set."""
+    from .data import DrafterDataset, load_records, split_train_eval
+
+    records = load_records(data) if isinstance(data, (str, os.PathLike)) else list(data)
+    dataset = DrafterDataset.from_records(records, tokenizer, max_length=max_length)
+    if len(dataset) == 0:
+        raise ValueError(f"No usable training examples in {data!s} (all had no loss tokens).")
+    train, held_out = split_train_eval(dataset, eval_fraction, seed=seed) if eval_fraction > 0 else (dataset, None)
+    info = {
+        "source": str(data) if isinstance(data, (str, os.PathLike)) else "in-memory records",
+        "records": len(records),
+        "examples": len(dataset),
+        "dropped_without_loss_tokens": dataset.num_dropped,
+        "tokens": dataset.num_tokens,
+        "loss_tokens": dataset.num_loss_tokens,
+        "max_length": max_length,
+        "eval_fraction": eval_fraction,
+    }
+    return train, held_out, info
+
+
+def train_drafter(
+    target,
+    tokenizer,
+    data: str | list | None,
+    args: DrafterTrainingArguments,
+    drafter: Any = "eagle3",
+    drafter_overrides: dict | None = None,
+    features_dir: str | None = None,
+    max_length: int = 2048,
+    eval_fraction: float = 0.05,
+    resume: bool = False,
+) -> tuple[Any, dict]:
+    """Trains a drafter for ``target`` and writes it (plus checkpoints and a training record) to ``args.output_dir``.
+
+    With ``features_dir`` (written by ``hf-specdec dump-features``) the target's features are read from disk instead
+    of being recomputed every step; ``data`` is then not needed.
+
+    Returns:
+        ``(drafter, training_record)``.
+    """
+    model = make_drafter(target, drafter, **(drafter_overrides or {}))
+    collate = None
+    if features_dir:
+        from .data import split_train_eval
+        from .offline import OfflineFeatureDataset, collate_offline
+
+        dataset = OfflineFeatureDataset(features_dir)
+        dataset.check_compatible(model.config)
+        train, held_out = _split_indices(dataset, eval_fraction, args.seed, split_train_eval)
+        pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
+
+        def collate(items):
+            return collate_offline(items, pad)
+
+        info = {"source": str(features_dir), "offline_features": True, **dataset.metadata}
+    else:
+        if data is None:
+            raise ValueError("Pass training data (a JSONL file) or an offline features directory.")
+        train, held_out, info = build_datasets(data, tokenizer, max_length, eval_fraction, args.seed)
+    trainer = DrafterTrainer(model, target, args, train, held_out, collate_fn=collate, data_info=info)
+    record = trainer.train(resume=resume)
+    return trainer.unwrapped_drafter, record
+
+
+def _split_indices(dataset, eval_fraction, seed, split_fn):
+    """Held-out split for datasets that are not `DrafterDataset`s (index subsets, same rule)."""
+    if eval_fraction <= 0:
+        return dataset, None
+    n = len(dataset)
+    n_eval = min(max(1, round(n * eval_fraction)), n - 1) if n >= 2 else 0
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    eval_idx, train_idx = sorted(perm[:n_eval]), sorted(perm[n_eval:])
+    return torch.utils.data.Subset(dataset, train_idx), torch.utils.data.Subset(dataset, eval_idx)

@@ -1,0 +1,247 @@
+"""Self-distillation data: regenerate the responses of a data set with the target model itself.
+
+A drafter learns the *target's* distribution best from text the target wrote. :func:`regenerate` keeps each
+record's prompt (the conversation up to its last assistant turn, or the ``prompt`` field), lets the target answer it,
+and appends the result as JSONL, resumably.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .data import load_records, record_kind
+
+__all__ = ["regenerate", "build_prompt"]
+
+
+def _last_assistant(messages: list[dict]) -> int | None:
+    for k in range(len(messages) - 1, -1, -1):
+        if messages[k].get("role") == "assistant":
+            return k
+    return None
+
+
+def build_prompt(tokenizer, record: dict) -> tuple[str, bool]:
+    """The prompt text the target answers for ``record``.
+
+    Args:
+        tokenizer: the target's tokenizer.
+        record: a ``{"messages": [...]}`` or ``{"prompt": str, ...}`` record.
+
+    Returns:
+        ``(text, templated)``: the prompt and whether it was rendered with the chat template (then it already holds
+        its special tokens and is tokenized without adding more).
+
+    Raises:
+        ValueError: for text/token records (no prompt to answer) or chat records without a chat template.
+    """
+    kind = record_kind(record)
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if kind == "messages":
+        messages = record["messages"]
+        k = _last_assistant(messages)
+        context = list(messages if k is None else messages[:k])
+        if not context:
+            raise ValueError("A chat record whose first message is the assistant's has no prompt to regenerate from.")
+        if not has_template:
+            raise ValueError("Regenerating chat records needs a tokenizer with a chat_template.")
+        return tokenizer.apply_chat_template(context, add_generation_prompt=True, tokenize=False), True
+    if kind == "prompt":
+        prompt = record["prompt"]
+        if has_template:
+            messages = [{"role": "user", "content": prompt}]
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), True
+        return prompt, False
+    raise ValueError(
+        f"Cannot regenerate a {kind!r} record: it has no prompt/response split (nothing to regenerate). "
+        "Use chat ('messages') or 'prompt' records."
+    )
+
+
+def _output_record(record: dict, kind: str, generated: str, index: int) -> dict:
+    out = {k: copy.deepcopy(v) for k, v in record.items()}
+    if kind == "messages":
+        messages = out["messages"]
+        k = _last_assistant(messages)
+        reply = {"role": "assistant", "content": generated}
+        if k is None:
+            messages.append(reply)
+        else:
+            messages[k] = reply
+    else:
+        out["response"] = generated
+    out["regenerated"] = True
+    out["source_index"] = index
+    return out
+
+
+def _read_done(path: str, log: Callable[[str], Any]) -> set[int]:
+    """Source indices already in ``path``; a truncated last line is dropped (the file is cut back to it)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        log(f"{path}: dropping a truncated last line ({len(data) - end} bytes).")
+        with open(path, "r+b") as f:
+            f.truncate(end)
+        data = data[:end]
+    done: set[int] = set()
+    for lineno, line in enumerate(data.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            done.add(int(json.loads(line)["source_index"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"{path}:{lineno} is not a regenerated record ({e}); cannot resume. Use resume=False or another path."
+            ) from e
+    return done
+
+
+def regenerate(
+    target: nn.Module,
+    tokenizer,
+    records: Sequence[dict] | str | os.PathLike,
+    output_path: str | os.PathLike,
+    max_new_tokens: int = 512,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    batch_size: int = 8,
+    resume: bool = True,
+    seed: int = 0,
+    progress: bool = True,
+    log: Callable[[str], Any] | None = print,
+) -> int:
+    """Regenerates the responses of ``records`` with ``target`` and appends them to ``output_path`` (JSONL).
+
+    Prompts (see :func:`build_prompt`): chat records use their messages up to (excluding) the last assistant message
+    (all messages if there is none), rendered with the chat template and a generation prompt; prompt records use
+    ``[user: prompt]`` with the chat template when the tokenizer has one, else the raw prompt text. Text and token
+    records raise ``ValueError`` (checked for all records before anything is generated).
+
+    Records are generated in fixed, left-padded batches ``records[b * batch_size: (b + 1) * batch_size]``, greedily
+    when ``temperature == 0`` and otherwise by sampling with ``temperature``/``top_p``; torch is seeded with
+    ``seed + b`` before batch ``b``, so a resumed run reproduces an uninterrupted one. New tokens are decoded with
+    ``skip_special_tokens=True``.
+
+    Output lines: chat records keep all their keys and messages, with the last assistant message replaced by
+    ``{"role": "assistant", "content": generated}`` (appended when there was none); prompt records get
+    ``"response": generated``. Every line carries ``"regenerated": true`` and ``"source_index": i``.
+
+    Args:
+        target: the target causal LM (used as is; put it in eval mode).
+        tokenizer: its tokenizer. Its pad token is set to EOS if missing.
+        records: records (``{"messages": ...}`` or ``{"prompt": ...}``), or a path read with
+            :func:`hf_specdec.training.data.load_records`.
+        output_path: JSONL file to append to (created if needed).
+        max_new_tokens: generation length limit per record.
+        temperature: 0 for greedy decoding, > 0 for sampling.
+        top_p: nucleus sampling threshold (sampling only).
+        batch_size: records per ``generate`` call.
+        resume: skip records whose ``source_index`` is already in ``output_path`` (a truncated last line is
+            dropped). With ``False``, ``output_path`` is overwritten.
+        seed: base seed (batch ``b`` uses ``seed + b``).
+        progress: show a tqdm progress bar.
+        log: callable receiving status messages; ``None`` silences.
+
+    Returns:
+        The number of records written by this call.
+
+    Raises:
+        ValueError: on text/token records, chat records without a chat template, invalid sampling parameters, or an
+            unreadable existing output when resuming.
+    """
+    log = log or (lambda _msg: None)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}.")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError("batch_size and max_new_tokens must be positive.")
+    if isinstance(records, (str, os.PathLike)):
+        records = load_records(records)
+    records = list(records)
+    kinds = [record_kind(r) for r in records]
+    prompts = [build_prompt(tokenizer, r) for r in records]  # validates every record before generating
+
+    output_path = os.fspath(output_path)
+    parent = os.path.dirname(output_path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    done: set[int] = set()
+    if resume and os.path.exists(output_path):
+        done = _read_done(output_path, log)
+        if done:
+            log(f"Resuming {output_path}: {len(done)} of {len(records)} records already regenerated.")
+    elif not resume:
+        open(output_path, "w").close()
+
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        raise ValueError("The tokenizer has neither a pad token nor an EOS token to pad with.")
+    try:
+        device = next(target.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    gen_kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "pad_token_id": pad_id}
+    if temperature == 0:
+        gen_kwargs["do_sample"] = False
+    else:
+        gen_kwargs.update(do_sample=True, temperature=float(temperature), top_p=float(top_p))
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(records), initial=len(done & set(range(len(records)))), unit="rec", desc="regenerate")
+    written = 0
+    old_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        with open(output_path, "a", encoding="utf-8") as out:
+            for b, start in enumerate(range(0, len(records), batch_size)):
+                batch = list(range(start, min(start + batch_size, len(records))))
+                if all(i in done for i in batch):
+                    continue
+                # The whole batch is generated even when part of it is done, so outputs match an uninterrupted run.
+                encoded = [tokenizer(prompts[i][0], add_special_tokens=not prompts[i][1])["input_ids"] for i in batch]
+                width = max(len(ids) for ids in encoded)
+                input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+                attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+                for row, ids in enumerate(encoded):
+                    if ids:
+                        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+                        attention_mask[row, width - len(ids) :] = 1
+                torch.manual_seed(seed + b)
+                with torch.no_grad():
+                    generated = target.generate(
+                        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **gen_kwargs
+                    )
+                new_tokens = generated[:, width:].cpu()
+                for row, i in enumerate(batch):
+                    if i in done:
+                        continue
+                    text = tokenizer.decode(new_tokens[row].tolist(), skip_special_tokens=True)
+                    line = _output_record(records[i], kinds[i], text, i)
+                    out.write(json.dumps(line, ensure_ascii=False) + "\n")
+                    done.add(i)
+                    written += 1
+                    if bar is not None:
+                        bar.update(1)
+                out.flush()
+                os.fsync(out.fileno())
+    finally:
+        tokenizer.padding_side = old_side
+        if bar is not None:
+            bar.close()
+    log(f"Regenerated {written} records into {output_path}.")
+    return written
