@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import string
+
 from hf_specdec.testing import ARCHS, BOS, EOS, PAD, VOCAB, make_oracle_drafter, ragged_batch, tiny_target
 
 make_target = tiny_target
@@ -14,8 +16,6 @@ def make_oracle(target, continuation, corruption=0.0, seed=0, num_draft_tokens=4
 
 def char_tokenizer():
     """A character-level fast tokenizer over the 96-token test vocabulary (for stop-string tests)."""
-    import string
-
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
@@ -27,3 +27,35 @@ def char_tokenizer():
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<s>", unk_token="<unk>"
     )
+
+
+# A character-level chat tokenizer (ChatML template); ids 0..5 line up with tiny_target's PAD 0 / EOS 5.
+CHAT_SPECIALS = ["<pad>", "<s>", "<unk>", "<|im_start|>", "<|im_end|>", "</s>"]  # ids 0..5 (tiny_target: PAD 0, EOS 5)
+CHAT_CHARS = string.ascii_letters + string.digits + " \n.,:!?'"
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def chat_tokenizer(chat_template=True, pad=True):
+    import string  # noqa: F401  (kept local: only the chat tests need it)
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(CHAT_SPECIALS + list(CHAT_CHARS))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()
+    kwargs = {"pad_token": "<pad>"} if pad else {}
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        **kwargs,
+    )
+    if chat_template:
+        tok.chat_template = CHATML_TEMPLATE
+    return tok

@@ -1,41 +1,15 @@
 """Self-distillation: regenerating responses with the target."""
 
 import json
-import string
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast
+from helpers import chat_tokenizer as make_tokenizer
 
 from hf_specdec.testing import tiny_target
 from hf_specdec.training.regenerate import build_prompt, regenerate
 
-SPECIALS = ["<pad>", "<s>", "<unk>", "<|im_start|>", "<|im_end|>", "</s>"]  # ids 0..5 (tiny_target: PAD 0, EOS 5)
-CHARS = string.ascii_letters + string.digits + " \n.,:!?'"
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 MAX_NEW = 6
-
-
-def make_tokenizer(chat_template=True, pad=True):
-    vocab = {t: i for i, t in enumerate(SPECIALS + list(CHARS))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    backend.decoder = decoders.Fuse()
-    kwargs = {"pad_token": "<pad>"} if pad else {}
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-        **kwargs,
-    )
-    if chat_template:
-        tok.chat_template = CHATML
-    return tok
 
 
 @pytest.fixture(scope="module")

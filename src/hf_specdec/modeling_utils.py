@@ -74,6 +74,7 @@ class DrafterPreTrainedModel(PreTrainedModel):
     requires_target_hidden_states: ClassVar[bool] = True
     borrows_target_embeddings: ClassVar[bool] = False
     borrows_target_lm_head: ClassVar[bool] = False
+    lora_target_modules: ClassVar[tuple[str, ...]] = ()  # module names LoRA adapts (``--lora``)
 
     def __init__(self, config: DrafterConfig, *args, **kwargs):
         config.validate_drafter(require_complete=True)

@@ -28,20 +28,37 @@ _ORIGINAL = None
 _SPEC_OPTIONS = ("verifier", "verifier_options")
 
 
-def _route(self, original, bound: inspect.BoundArguments):
+def as_drafter(obj):
+    """``obj`` if it is an hf_specdec drafter, the drafter inside a PEFT wrapper (LoRA-adapted drafter), else None."""
     from ..modeling_utils import DrafterPreTrainedModel
+
+    if isinstance(obj, DrafterPreTrainedModel):
+        return obj
+    get_base = getattr(obj, "get_base_model", None)
+    if callable(get_base):
+        base = get_base()
+        if isinstance(base, DrafterPreTrainedModel):
+            return base  # adapter layers are injected in place: the base module runs with them
+    return None
+
+
+def _route(self, original, bound: inspect.BoundArguments):
     from .loop import speculative_generate
 
     args = dict(bound.arguments)
     kwargs = args.pop("kwargs", {}) or {}
     assistant = args.get("assistant_model")
     custom = args.get("custom_generate")
-    is_drafter = isinstance(assistant, DrafterPreTrainedModel)
+    unwrapped = as_drafter(assistant)
+    is_drafter = unwrapped is not None
+    if is_drafter:
+        assistant = unwrapped
     if not is_drafter and custom is not speculative_generate:
         return None
     if is_drafter and custom is not None:
         raise ValueError("Pass either assistant_model=<drafter> or custom_generate=..., not both.")
-    drafter = assistant if is_drafter else kwargs.pop("drafter", None)
+    drafter = assistant if is_drafter else as_drafter(kwargs.get("drafter")) or kwargs.pop("drafter", None)
+    kwargs.pop("drafter", None)
     if drafter is None:
         raise ValueError("custom_generate=hf_specdec.speculative_generate needs `drafter=<hf_specdec drafter>`.")
     if not is_drafter and assistant is not None:

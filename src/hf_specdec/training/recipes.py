@@ -9,7 +9,7 @@ import torch
 
 from .trainer import DrafterTrainer, DrafterTrainingArguments
 
-__all__ = ["load_target", "make_drafter", "build_datasets", "train_drafter"]
+__all__ = ["load_target", "make_drafter", "build_datasets", "train_drafter", "add_lora"]
 
 
 def load_target(path: str, dtype: str = "auto", device_map: str | None = None, trust_remote_code: bool = False):
@@ -83,16 +83,21 @@ def train_drafter(
     max_length: int = 2048,
     eval_fraction: float = 0.05,
     resume: bool = False,
+    lora: dict | None = None,
 ) -> tuple[Any, dict]:
     """Trains a drafter for ``target`` and writes it (plus checkpoints and a training record) to ``args.output_dir``.
 
     With ``features_dir`` (written by ``hf-specdec dump-features``) the target's features are read from disk instead
-    of being recomputed every step; ``data`` is then not needed.
+    of being recomputed every step; ``data`` is then not needed. With ``lora`` (e.g. ``{"r": 8, "lora_alpha": 16}``)
+    the drafter is adapted with a LoRA adapter (peft) instead of trained in full: ``output_dir`` then holds the
+    adapter, loaded with ``PeftModel.from_pretrained(base_drafter, output_dir)``.
 
     Returns:
         ``(drafter, training_record)``.
     """
     model = make_drafter(target, drafter, **(drafter_overrides or {}))
+    if lora:
+        model = add_lora(model, **lora)
     collate = None
     if features_dir:
         from .data import split_train_eval
@@ -114,6 +119,17 @@ def train_drafter(
     trainer = DrafterTrainer(model, target, args, train, held_out, collate_fn=collate, data_info=info)
     record = trainer.train(resume=resume)
     return trainer.unwrapped_drafter, record
+
+
+def add_lora(drafter, r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0, target_modules=None):
+    """Wraps ``drafter`` with a LoRA adapter (peft) on the family's ``lora_target_modules``."""
+    from peft import LoraConfig, get_peft_model
+
+    modules = target_modules or list(getattr(drafter, "lora_target_modules", ()))
+    if not modules:
+        raise ValueError(f"{type(drafter).__name__} declares no `lora_target_modules`; pass target_modules.")
+    config = LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=modules)
+    return get_peft_model(drafter, config)
 
 
 def _split_indices(dataset, eval_fraction, seed, split_fn):

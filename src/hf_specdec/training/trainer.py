@@ -212,6 +212,8 @@ class DrafterTrainer:
 
         self.args = args
         self.drafter = drafter
+        # A PEFT-wrapped drafter (LoRA adaptation): only adapter weights train and are saved.
+        self.is_peft = hasattr(drafter, "peft_config")
         self.target = target
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
@@ -401,14 +403,15 @@ class DrafterTrainer:
         """Restores drafter, optimizer, scheduler, RNG and data position from ``path``."""
         from safetensors.torch import load_file
 
-        required = ["model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pt", "trainer_state.json"]
+        weights_file = "adapter_model.safetensors" if self.is_peft else "model.safetensors"
+        required = [weights_file, "optimizer.pt", "scheduler.pt", "rng_state.pt", "trainer_state.json"]
         missing = [f for f in required if not os.path.exists(os.path.join(path, f))]
         if missing:
             raise ValueError(f"Checkpoint {path} is incomplete (missing {missing}); resume from another checkpoint.")
         try:
             with open(os.path.join(path, "trainer_state.json")) as fh:
                 state = json.load(fh)
-            weights = load_file(os.path.join(path, "model.safetensors"), device=str(self.accelerator.device))
+            weights = load_file(os.path.join(path, weights_file), device=str(self.accelerator.device))
             opt_state = torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=False)
             sched_state = torch.load(os.path.join(path, "scheduler.pt"), map_location="cpu", weights_only=False)
             rng = torch.load(os.path.join(path, "rng_state.pt"), map_location="cpu", weights_only=False)
@@ -418,10 +421,17 @@ class DrafterTrainer:
                 f"'{LATEST_FILE}' pointer) to resume from an earlier checkpoint."
             ) from err
         drafter = self.unwrapped_drafter
-        result = drafter.load_state_dict(weights, strict=False)
-        if result.missing_keys or result.unexpected_keys:
+        if self.is_peft:
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(drafter, weights)
+            missing = [k for k in result.missing_keys if "lora_" in k]  # base weights are not in an adapter file
+        else:
+            result = drafter.load_state_dict(weights, strict=False)
+            missing = list(result.missing_keys)
+        if missing or result.unexpected_keys:
             raise ValueError(
-                f"Checkpoint {path} does not match this drafter (missing {result.missing_keys}, unexpected "
+                f"Checkpoint {path} does not match this drafter (missing {missing}, unexpected "
                 f"{result.unexpected_keys}); it was written for another drafter configuration."
             )
         self.optimizer.load_state_dict(opt_state)
@@ -467,7 +477,7 @@ class DrafterTrainer:
             if path is None:
                 raise ValueError(f"--resume: no checkpoint found in {args.output_dir}.")
             self.load_checkpoint(path)
-        elif self.step == 0:
+        elif self.step == 0 and not self.is_peft:
             self.unwrapped_drafter.init_from_data(self.token_counts())
         if acc.trackers:
             acc.init_trackers("hf_specdec", config={k: v for k, v in asdict(args).items() if v is not None})
@@ -544,6 +554,7 @@ class DrafterTrainer:
             record = {
                 "hf_specdec_version": __version__,
                 "family": cfg.model_type,
+                "lora_adapter": self.is_peft,
                 "target": {
                     "name_or_path": cfg.target_model_name_or_path,
                     "model_type": cfg.target_model_type,

@@ -105,6 +105,7 @@ class Eagle3ForDrafting(DrafterPreTrainedModel):
     proposal_kind = "chain"
     requires_target_hidden_states = True
     borrows_target_embeddings = True
+    lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc")
     _no_split_modules = ["Eagle3DecoderLayer"]
 
     def __init__(self, config: Eagle3Config):

@@ -1,0 +1,94 @@
+"""End to end through the command line: regenerate -> train (online) -> resume -> dump-features -> train (offline),
+and the offline/online equivalence of the loss."""
+
+import json
+import random
+
+import pytest
+import torch
+from helpers import chat_tokenizer
+
+from hf_specdec import AutoModelForDrafting, Eagle3Config
+from hf_specdec.cli import main as cli
+from hf_specdec.testing import tiny_target
+from hf_specdec.training.data import DataCollator, DrafterDataset, load_records
+from hf_specdec.training.features import capture_target_features
+from hf_specdec.training.offline import OfflineFeatureDataset, collate_offline, dump_features
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    tok = chat_tokenizer()
+    target = tiny_target("llama", seed=0, vocab=len(tok), sharpen=20.0)
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    rng = random.Random(0)
+    with open(root / "prompts.jsonl", "w") as fh:
+        for i in range(12):
+            words = " ".join("".join(rng.choice("abcdefgh") for _ in range(4)) for _ in range(3))
+            fh.write(json.dumps({"id": i, "messages": [{"role": "user", "content": words}]}) + "\n")
+    return root, target, tok
+
+
+def test_cli_pipeline(workspace):
+    root, target, tok = workspace
+    t = str(root / "target")
+    assert cli(["regenerate", "--target", t, "--data", str(root / "prompts.jsonl"), "--output", str(root / "regen.jsonl"),
+                "--max-new-tokens", "16", "--batch-size", "4"]) == 0  # fmt: skip
+    regen = load_records(root / "regen.jsonl")
+    assert len(regen) == 12 and all(r["messages"][-1]["role"] == "assistant" for r in regen)
+
+    common = ["--target", t, "--batch-size", "4", "--eval-fraction", "0.25", "--save-steps", "3", "--eval-steps", "3",
+              "--report-to", "none", "--lr", "3e-3", "--num-draft-tokens", "3", "--max-length", "64"]  # fmt: skip
+    out = root / "out"
+    assert (
+        cli(["train", "--data", str(root / "regen.jsonl"), "--output-dir", str(out), "--max-steps", "6", *common]) == 0
+    )
+    record = json.loads((out / "training_record.json").read_text())
+    assert record["steps"] == 6 and record["data"]["examples"] == 12 and record["eval_examples"] == 3
+    drafter = AutoModelForDrafting.from_pretrained(out)
+    assert drafter.config.num_draft_tokens == 3
+    # --resume continues from the last checkpoint of the finished run and trains further.
+    assert cli(["train", "--data", str(root / "regen.jsonl"), "--output-dir", str(out), "--max-steps", "8",
+                "--resume", *common]) == 0  # fmt: skip
+    assert json.loads((out / "training_record.json").read_text())["steps"] == 8
+
+    feats = root / "features"
+    assert cli(["dump-features", "--target", t, "--data", str(root / "regen.jsonl"), "--output-dir", str(feats),
+                "--feature-dtype", "float32", "--max-length", "64", "--batch-size", "4"]) == 0  # fmt: skip
+    out2 = root / "out_offline"
+    assert cli(["train", "--features", str(feats), "--output-dir", str(out2), "--max-steps", "4", *common]) == 0
+    assert json.loads((out2 / "training_record.json").read_text())["data"]["offline_features"] is True
+    assert AutoModelForDrafting.from_pretrained(out2) is not None
+
+
+def test_offline_features_give_the_online_loss(workspace, tmp_path):
+    root, target, tok = workspace
+    records = [{"messages": [{"role": "user", "content": "ab cd"}, {"role": "assistant", "content": "efg hij kl"}]}]
+    records += [{"messages": [{"role": "user", "content": "x" * i}, {"role": "assistant", "content": "ab" * i}]}
+                for i in range(1, 6)]  # fmt: skip
+    dataset = DrafterDataset.from_records(records, tok, max_length=64)
+    torch.manual_seed(0)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config)).bind_target(target)
+    examples = [dataset[i] for i in range(len(dataset))]
+    dump_features(target, examples, drafter.config.target_layer_ids, tmp_path / "f", dtype=torch.float32,
+                  batch_size=2, progress=False, log=lambda *a: None)  # fmt: skip
+    offline = OfflineFeatureDataset(tmp_path / "f")
+    idx = [0, 3, 5]
+    online_batch = DataCollator(pad_token_id=0)([dataset[i] for i in idx])
+    offline_batch = collate_offline([offline[i] for i in idx], pad_token_id=0)
+    assert torch.equal(online_batch["input_ids"], offline_batch["input_ids"])
+    assert torch.equal(online_batch["loss_mask"], offline_batch["loss_mask"])
+    online = capture_target_features(
+        target, online_batch["input_ids"], online_batch["attention_mask"], drafter.config.target_layer_ids
+    )
+    from hf_specdec.training.features import TargetFeatures
+
+    stored = TargetFeatures(offline_batch["target_hidden_states"], offline_batch["target_last_hidden"])
+    head = target.get_output_embeddings()
+    a = drafter.compute_loss(online_batch, online, head)
+    b = drafter.compute_loss(offline_batch, stored, head)
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-5)
+    assert torch.equal(a.correct, b.correct) and torch.equal(a.valid, b.valid)
+    assert a.valid.sum() > 0
