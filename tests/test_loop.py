@@ -400,3 +400,18 @@ def test_target_without_hidden_states_fails_clearly():
     ids, _ = ragged_batch(1)
     with pytest.raises(ValueError, match="did not return hidden states"):
         target.generate(ids, assistant_model=drafter, max_new_tokens=4)
+
+
+def test_sliding_window_target_batch_1_and_refusal_for_padded_batches():
+    target = make_target("mistral", seed=6, sliding_window=12)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config)).eval()
+    ids, _ = ragged_batch(1, length=9)
+    cont = greedy_continuation(target, ids, None, 60)
+    oracle = make_oracle(target, cont, corruption=0.3, num_draft_tokens=4)
+    kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None)  # runs far past the 12-token window
+    ref = target.generate(ids, **kwargs)
+    assert torch.equal(target.generate(ids, assistant_model=oracle, **kwargs), ref)
+    assert torch.equal(target.generate(ids, assistant_model=drafter, **kwargs), ref)
+    batch, mask = ragged_batch(2)
+    with pytest.raises(ValueError, match="sliding-window"):
+        target.generate(batch, attention_mask=mask, assistant_model=drafter, **kwargs)

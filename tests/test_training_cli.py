@@ -92,3 +92,34 @@ def test_offline_features_give_the_online_loss(workspace, tmp_path):
     torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-5)
     assert torch.equal(a.correct, b.correct) and torch.equal(a.valid, b.valid)
     assert a.valid.sum() > 0
+
+
+def test_multi_process_training_with_torchrun(workspace):
+    """Two CPU processes (DDP over gloo): `torchrun` starts them, accelerate picks the distributed setup up from the
+    environment exactly as under `accelerate launch` on GPUs (whose `--cpu` mode only starts one process)."""
+    import os
+    import subprocess
+    import sys
+
+    root, target, tok = workspace
+    regen = root / "regen_ddp.jsonl"
+    with open(regen, "w") as fh:
+        for i in range(16):
+            text = "abc def " * (i % 4 + 1)
+            fh.write(
+                json.dumps({"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": text}]})
+            )
+            fh.write("\n")
+    out = root / "out_ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "hf_specdec.cli", "train",
+           "--target", str(root / "target"), "--data", str(regen), "--output-dir", str(out), "--max-steps", "4",
+           "--batch-size", "2", "--eval-fraction", "0.25", "--save-steps", "2", "--eval-steps", "2",
+           "--report-to", "none", "--max-length", "64"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads((out / "training_record.json").read_text())
+    assert record["processes"] == 2 and record["steps"] == 4
+    assert record["final_eval"]["loss"] > 0
+    assert AutoModelForDrafting.from_pretrained(out) is not None

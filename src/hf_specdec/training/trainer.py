@@ -220,7 +220,10 @@ class DrafterTrainer:
         self.data_info = data_info or {}
         self.on_step = on_step
         log_with = self._trackers(args.report_to)
+        # Several processes on a machine without accelerators: accelerate needs `cpu=True` to set up gloo DDP.
+        multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
         self.accelerator = Accelerator(
+            cpu=multi_cpu,
             mixed_precision=args.mixed_precision,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             log_with=log_with or None,
@@ -461,7 +464,22 @@ class DrafterTrainer:
             out = module(batch, self._features(batch), self.target_head, self.args.ttt_steps)
             metrics.add(out, int(batch["attention_mask"].sum()))
         module.train()
+        if self.accelerator.num_processes > 1:
+            metrics = self._all_reduce(metrics)
         return metrics
+
+    def _all_reduce(self, metrics: TrainingMetrics) -> TrainingMetrics:
+        """Sums evaluation metrics over processes (each evaluated its own share of the held-out set)."""
+        k = self.args.ttt_steps or self.unwrapped_drafter.config.num_draft_tokens
+        zeros = torch.zeros(k, dtype=torch.float64)
+        head = torch.tensor([metrics.loss_sum, metrics.batches, metrics.anchors, metrics.tokens], dtype=torch.float64)
+        parts = [head] + [zeros if t is None else t for t in (metrics.correct, metrics.valid, metrics.chain)]
+        packed = self.accelerator.reduce(torch.cat(parts).to(self.accelerator.device), reduction="sum").cpu()
+        out = TrainingMetrics(
+            loss_sum=float(packed[0]), batches=int(packed[1]), anchors=float(packed[2]), tokens=int(packed[3])
+        )
+        out.correct, out.valid, out.chain = packed[4 : 4 + k], packed[4 + k : 4 + 2 * k], packed[4 + 2 * k :]
+        return out
 
     # ------------------------------------------------------------------------------------------------ training
     def train(self, resume: bool | str = False) -> dict:
