@@ -149,3 +149,12 @@ def test_bad_arguments_fail_early(tmp_path):
         DrafterTrainingArguments(output_dir=str(tmp_path), mixed_precision="fp8")
     with pytest.raises(ValueError, match="batch_size"):
         DrafterTrainingArguments(output_dir=str(tmp_path), batch_size=0)
+
+
+def test_bf16_mixed_precision_and_gradient_accumulation_run(tmp_path, target):
+    data = self_distilled(target, 8)
+    run = args(tmp_path, max_steps=2, mixed_precision="bf16", gradient_accumulation_steps=2, save_steps=100)
+    trainer = DrafterTrainer(fresh(target), target, run, data)
+    record = trainer.train()
+    assert record["steps"] == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.history)
+    assert next(trainer.unwrapped_drafter.parameters()).dtype == torch.float32  # master weights stay fp32
