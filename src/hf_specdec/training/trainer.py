@@ -220,6 +220,12 @@ class DrafterTrainer:
         self.data_info = data_info or {}
         self.on_step = on_step
         log_with = self._trackers(args.report_to)
+        # accelerate keeps one AcceleratorState per process; a trainer built after another one (e.g. with other
+        # mixed-precision or accumulation settings) starts from a fresh one. The process group (PartialState) stays.
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=False)
+        GradientState._reset_state()
         # Several processes on a machine without accelerators: accelerate needs `cpu=True` to set up gloo DDP.
         multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
         self.accelerator = Accelerator(
