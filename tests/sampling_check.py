@@ -67,7 +67,7 @@ def check_sampling_matches_target(make_drafter, num_samples: int = 3000, num_dra
     bound = tv_bound(vocab, num_samples)
     # Rejections must have happened, otherwise the residual path was not exercised.
     tau = out.mean_accepted_length
-    assert 1.0 <= tau < num_draft_tokens + 1, tau
+    assert tau >= 1.0 and tau < num_draft_tokens + 1, tau
     for step in range(3):
         tv = 0.5 * (empirical(gen[:, step], vocab) - exact[step]).abs().sum().item()
         assert tv < bound, f"token {step + 1}: TV {tv:.4f} >= bound {bound:.4f}"
