@@ -158,3 +158,17 @@ def test_bf16_mixed_precision_and_gradient_accumulation_run(tmp_path, target):
     record = trainer.train()
     assert record["steps"] == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.history)
     assert next(trainer.unwrapped_drafter.parameters()).dtype == torch.float32  # master weights stay fp32
+
+
+def test_metrics_are_logged_to_tensorboard(tmp_path, target):
+    data = self_distilled(target, 8)
+    run = args(tmp_path, max_steps=4, logging_steps=2, eval_steps=2, save_steps=100, report_to="tensorboard")
+    DrafterTrainer(fresh(target), target, run, data, eval_dataset=data).train()
+    events = list((tmp_path / "out").rglob("events.out.tfevents.*"))
+    assert events, "no TensorBoard event file written"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/simulated_tau", "eval/loss", "eval/acc_0"} <= tags

@@ -220,6 +220,7 @@ class DrafterTrainer:
         self.data_info = data_info or {}
         self.on_step = on_step
         log_with = self._trackers(args.report_to)
+        self.log_with = log_with
         # accelerate keeps one AcceleratorState per process; a trainer built after another one (e.g. with other
         # mixed-precision or accumulation settings) starts from a fresh one. The process group (PartialState) stays.
         from accelerate.state import AcceleratorState, GradientState
@@ -503,7 +504,7 @@ class DrafterTrainer:
             self.load_checkpoint(path)
         elif self.step == 0 and not self.is_peft:
             self.unwrapped_drafter.init_from_data(self.token_counts())
-        if acc.trackers:
+        if self.log_with:
             acc.init_trackers("hf_specdec", config={k: v for k, v in asdict(args).items() if v is not None})
 
         from tqdm.auto import tqdm
