@@ -1,15 +1,17 @@
 #!/usr/bin/env python
 """Trains an EAGLE-3 drafter for the demo target with hf_specdec's own pipeline, and measures it.
 
-1. prompts: code prefixes ending at a ``def``/``class`` line, cut from the stdlib files the target was trained on
-   (train prompts) and from its held-out files (evaluation prompts);
+1. prompts: code prefixes ending at a ``def``/``class`` line, cut from the stdlib files the target was trained on;
 2. self-distillation: the target continues every train prompt greedily (``hf_specdec.training.regenerate``);
 3. ``train_drafter`` (online target features, training-time test) on the regenerated data;
-4. mean accepted length τ with K draft tokens at temperature 0 on held-out prompts, before and after training,
-   via ``target.generate(assistant_model=drafter)`` (outputs checked identical to plain generate).
+4. ``hf_specdec.bench``: plain generate vs the untrained and the trained drafter on the held-out demo prompts
+   (temperature 0, batch size 1; outputs checked identical to plain generate).
+
+Steps 1-3 are :func:`hf_specdec.demo.train_demo_drafter` (what ``hf-specdec demo --train`` runs).
 
 Usage:
-    python scripts/train_demo_drafter.py --target src/hf_specdec/assets/demo-target --out runs/demo-drafter
+    python scripts/train_demo_drafter.py --out runs/demo-drafter
+    cp runs/demo-drafter/drafter/{config.json,model.safetensors,training_record.json} src/hf_specdec/assets/demo-eagle3/
 """
 
 from __future__ import annotations
@@ -17,61 +19,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import time
 
 import torch
 
 
-def code_prompts(files: list[str], per_file: int, seed: int, max_chars: int = 600) -> list[str]:
-    rng = random.Random(seed)
-    prompts = []
-    for path in files:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            lines = fh.read().splitlines()
-        anchors = [i for i, line in enumerate(lines) if line.lstrip().startswith(("def ", "class ")) and i >= 4]
-        for i in rng.sample(anchors, min(per_file, len(anchors))):
-            text = "\n".join(lines[max(0, i - 12) : i + 1]) + "\n"
-            prompts.append(text[-max_chars:])
-    return prompts
-
-
-def measure_tau(target, tokenizer, drafter, prompts, k, max_new_tokens, batch_size=1):
-    """τ, identity with plain generate and wall-clock times, prompt by prompt (batch size 1)."""
-    taus, identical, t_plain, t_spec, n_tokens = [], True, 0.0, 0.0, 0
-    for text in prompts:
-        ids = tokenizer(text, return_tensors="pt").input_ids
-        kw = dict(max_new_tokens=max_new_tokens, do_sample=False)
-        t0 = time.perf_counter()
-        ref = target.generate(ids, **kw)
-        t_plain += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = target.generate(ids, assistant_model=drafter, num_assistant_tokens=k, return_dict_in_generate=True, **kw)
-        t_spec += time.perf_counter() - t0
-        identical &= torch.equal(out.sequences, ref)
-        taus.extend(x for row in out.accepted_lengths for x in row)
-        n_tokens += ref.shape[1] - ids.shape[1]
-    return {
-        "tau": round(sum(taus) / max(1, len(taus)), 3),
-        "identical": bool(identical),
-        "tokens_per_s_plain": round(n_tokens / t_plain, 1),
-        "tokens_per_s_speculative": round(n_tokens / t_spec, 1),
-        "speedup": round(t_plain / t_spec, 3),
-        "prompts": len(prompts),
-    }
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="src/hf_specdec/assets/demo-target")
     p.add_argument("--out", default="runs/demo-drafter")
-    p.add_argument("--train-prompts-per-file", type=int, default=1)
     p.add_argument("--max-train-files", type=int, default=600)
     p.add_argument("--regen-tokens", type=int, default=96)
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--eval-prompts", type=int, default=24)
     p.add_argument("--eval-new-tokens", type=int, default=64)
-    p.add_argument("--max-steps", type=int, default=500)
+    p.add_argument("--max-steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--draft-vocab-size", type=int, default=4096)
@@ -80,84 +40,51 @@ def main(argv=None):
     p.add_argument("--resume", action="store_true", help="resume the drafter training from its last checkpoint")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    os.makedirs(args.out, exist_ok=True)
 
-    import sys
-
-    sys.path.insert(0, os.path.dirname(__file__))
-    from train_demo_target import is_held_out, stdlib_files
-
-    import hf_specdec  # noqa: F401
     from hf_specdec import AutoModelForDrafting, Eagle3Config
-    from hf_specdec.training.recipes import load_target, train_drafter
-    from hf_specdec.training.regenerate import regenerate
-    from hf_specdec.training.trainer import DrafterTrainingArguments
+    from hf_specdec.bench.prompts import load_prompts
+    from hf_specdec.bench.runner import drafter_method, plain_method, run_benchmark
+    from hf_specdec.demo import load_demo_target, train_demo_drafter
 
-    target, tokenizer = load_target(args.target, dtype="float32")
-    files, root = stdlib_files()
-    train_files = [f for f in files if not is_held_out(os.path.relpath(f, root))]
-    eval_files = [f for f in files if is_held_out(os.path.relpath(f, root))]
-    rng = random.Random(args.seed)
-    train_files = rng.sample(train_files, min(args.max_train_files, len(train_files)))
-    train_prompts = code_prompts(train_files, args.train_prompts_per_file, args.seed)
-    eval_prompts = code_prompts(eval_files, 1, args.seed + 1)[: args.eval_prompts]
-    print(f"{len(train_prompts)} train prompts, {len(eval_prompts)} held-out prompts", flush=True)
-
-    regen_path = os.path.join(args.out, "regenerated.jsonl")
-    t0 = time.time()
-    regenerate(
+    target, tokenizer = load_demo_target()
+    folder = train_demo_drafter(
         target,
         tokenizer,
-        [{"prompt": text} for text in train_prompts],
-        regen_path,
-        max_new_tokens=args.regen_tokens,
-        batch_size=16,
-        resume=True,
-    )
-    print(f"self-distillation done in {time.time() - t0:.0f}s", flush=True)
-
-    torch.manual_seed(args.seed)
-    config = Eagle3Config.for_target(
-        target.config, num_draft_tokens=args.k, draft_vocab_size=args.draft_vocab_size or None
-    )
-    untrained = AutoModelForDrafting.from_config(config).eval()
-    before = measure_tau(target, tokenizer, untrained, eval_prompts[:8], args.k, args.eval_new_tokens)
-    print("before training:", before, flush=True)
-
-    targs = DrafterTrainingArguments(
-        output_dir=os.path.join(args.out, "drafter"),
+        args.out,
         max_steps=args.max_steps,
+        num_draft_tokens=args.k,
+        draft_vocab_size=args.draft_vocab_size,
+        regen_tokens=args.regen_tokens,
+        max_train_files=args.max_train_files,
         batch_size=args.batch_size,
         learning_rate=args.lr,
-        warmup_ratio=0.03,
-        save_steps=100,
-        eval_steps=100,
-        logging_steps=20,
         seed=args.seed,
-        report_to="none",
-    )
-    drafter, record = train_drafter(
-        target,
-        tokenizer,
-        regen_path,
-        targs,
-        drafter="eagle3",
-        drafter_overrides={"num_draft_tokens": args.k, "draft_vocab_size": args.draft_vocab_size},
-        max_length=256,
-        eval_fraction=0.05,
         resume=args.resume,
     )
-    drafter = AutoModelForDrafting.from_pretrained(targs.output_dir).eval()
-    after = measure_tau(target, tokenizer, drafter, eval_prompts, args.k, args.eval_new_tokens)
-    print("after training:", after, flush=True)
+    torch.manual_seed(args.seed)
+    untrained = AutoModelForDrafting.from_config(
+        Eagle3Config.for_target(target.config, num_draft_tokens=args.k, draft_vocab_size=args.draft_vocab_size)
+    ).eval()
+    trained = AutoModelForDrafting.from_pretrained(folder).eval()
+    methods = [plain_method(), drafter_method(untrained, name="untrained"), drafter_method(trained, name="trained")]
+    prompts = load_prompts("demo")[: args.eval_prompts]
+    report = run_benchmark(target, tokenizer, methods, prompts, max_new_tokens=args.eval_new_tokens, warmup=1)
+    with open(os.path.join(folder, "training_record.json")) as fh:
+        record = json.load(fh)
+    by_name = {r["method"]: r for r in report["records"] if r["category"] == "all"}
+    keys = ("mean_accepted_length", "tokens_per_s", "speedup", "identical", "alpha", "draft_cost_ratio")
     summary = {
-        "before": before,
-        "after": after,
+        "before": {k: by_name["untrained"][k] for k in keys},
+        "after": {k: by_name["trained"][k] for k in keys},
+        "plain_tokens_per_s": by_name["plain"]["tokens_per_s"],
         "training": {
             k: record.get(k) for k in ("steps", "tokens_per_second", "wall_time_s", "peak_rss_mb", "final_eval")
         },
         "k": args.k,
         "temperature": 0.0,
+        "eval_prompts": len(prompts),
+        "eval_new_tokens": args.eval_new_tokens,
+        "hardware": report["hardware"],
     }
     with open(os.path.join(args.out, "summary.json"), "w") as fh:
         json.dump(summary, fh, indent=1)

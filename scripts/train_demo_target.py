@@ -12,37 +12,30 @@ every machine); its file list hash and the Python version are recorded. Steps:
 
 Usage:
     python scripts/train_demo_target.py --minutes 60 --export src/hf_specdec/assets/demo-target
+
+The small assistant model used as a peer by ``hf-specdec bench`` (transformers' assisted generation) is trained by
+the same script with the target's tokenizer:
+
+    python scripts/train_demo_target.py --tokenizer src/hf_specdec/assets/demo-target --hidden 128 \
+        --intermediate 384 --layers 2 --heads 2 --kv-heads 1 --steps 1500 --warmup 50 --lr 3e-3 \
+        --work-dir runs/demo-assistant --export src/hf_specdec/assets/demo-assistant
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import hashlib
 import json
 import math
 import os
 import platform
-import sysconfig
 import time
 
 import torch
 
+from hf_specdec.demo import is_held_out, stdlib_files  # the held-out split is shared with the demo prompts
+
 SPECIAL = "<|endoftext|>"
-
-
-def stdlib_files() -> tuple[list[str], str]:
-    root = sysconfig.get_paths()["stdlib"]
-    files = sorted(
-        f
-        for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
-        if "site-packages" not in f and "dist-packages" not in f
-    )
-    return files, root
-
-
-def is_held_out(rel: str) -> bool:
-    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 50 == 0
 
 
 def read(path: str) -> str:
@@ -123,6 +116,12 @@ def main(argv=None):
     p.add_argument("--work-dir", default="runs/demo-target")
     p.add_argument("--export", default="src/hf_specdec/assets/demo-target")
     p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="reuse this tokenizer instead of training one (e.g. a small assistant model sharing the demo "
+        "target's vocabulary: --tokenizer src/hf_specdec/assets/demo-target)",
+    )
     p.add_argument("--hidden", type=int, default=384)
     p.add_argument("--intermediate", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
@@ -159,7 +158,10 @@ def main(argv=None):
     else:
         t0 = time.time()
         train_texts = [read(f) for f in train_files]
-        tokenizer = build_tokenizer(train_texts, args.vocab)
+        if args.tokenizer:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
+        else:
+            tokenizer = build_tokenizer(train_texts, args.vocab)
         tokenizer.save_pretrained(tok_dir)
         data = {
             "train": encode_corpus(tokenizer, train_texts),

@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from helpers import ARCHS, make_target, ragged_batch
+from helpers import ARCHS, VOCAB, make_target, ragged_batch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
@@ -24,11 +24,16 @@ from hf_specdec import AutoModelForDrafting, DraftInputs
 class RecordingSelector:
     """Greedy / sampling selector used to call `propose` directly; records the logits it saw."""
 
-    def __init__(self, do_sample=False):
+    def __init__(self, do_sample=False, vocab_size=VOCAB):
         self.do_sample = do_sample
+        self.vocab_size = vocab_size
         self.seen = []
 
-    def __call__(self, logits, depth):
+    def __call__(self, logits, depth, vocab_ids=None):
+        if vocab_ids is not None:  # reduced draft vocabulary: expand to the target vocabulary
+            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+            full[:, vocab_ids] = logits
+            logits = full
         self.seen.append(logits.detach().clone())
         if self.do_sample:
             probs = torch.softmax(logits.float(), -1)

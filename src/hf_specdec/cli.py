@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["main"]
@@ -131,6 +132,110 @@ def _train(args) -> int:
     return 0
 
 
+def _demo(args) -> int:
+    from .demo import run_demo
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    summary = run_demo(
+        out_dir=args.out,
+        num_prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        num_draft_tokens=args.k,
+        repeats=args.repeats,
+        train=args.train,
+        train_steps=args.train_steps,
+        train_dir=args.train_dir,
+    )
+    return 0 if summary["identical"] else 1
+
+
+def _bench_methods(args, target):
+    from .auto import AutoModelForDrafting
+    from .bench.runner import assisted_method, drafter_method, plain_method, prompt_lookup_method
+    from .demo import DEMO_ASSISTANT, DEMO_DRAFTER
+
+    drafters = args.drafter
+    if drafters is None:
+        drafters = [DEMO_DRAFTER] if args.target is None else []
+    methods = [plain_method()]
+    for path in drafters:
+        drafter = AutoModelForDrafting.from_pretrained(path).eval()
+        drafter.check_target_compatibility(target)
+        for k in args.num_draft_tokens or [None]:
+            methods.append(drafter_method(drafter, num_draft_tokens=k))
+            for verifier in args.verifier or []:
+                methods.append(drafter_method(drafter, num_draft_tokens=k, verifier=verifier))
+    if not args.no_peers:
+        assistant = args.assistant
+        if assistant is None and args.target is None and os.path.isdir(DEMO_ASSISTANT):
+            assistant = DEMO_ASSISTANT
+        if assistant:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(assistant, dtype=target.dtype).to(target.device).eval()
+            methods.append(assisted_method(model, num_assistant_tokens=args.assistant_tokens))
+        if args.prompt_lookup > 0:
+            methods.append(prompt_lookup_method(args.prompt_lookup))
+    if len(methods) == 1:
+        raise SystemExit(
+            "hf-specdec bench: nothing to compare with plain generate; pass --drafter (or drop --no-peers)."
+        )
+    return methods
+
+
+def _bench(args) -> int:
+    import torch
+
+    from .bench.prompts import load_prompts
+    from .bench.report import category_table, format_console_table, write_report
+    from .bench.runner import run_benchmark
+    from .demo import load_demo_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.target is None:
+        target, tokenizer = load_demo_target()
+    else:
+        target, tokenizer = _load_target(args)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    methods = _bench_methods(args, target)
+    prompts = load_prompts(args.prompts, categories=args.categories, max_per_category=args.max_prompts)
+    report = run_benchmark(
+        target,
+        tokenizer,
+        methods,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperatures=args.temperature,
+        batch_sizes=args.batch_size,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        seed=args.seed,
+        top_p=args.top_p,
+        max_prompt_tokens=args.max_prompt_tokens,
+        config={"prompts": args.prompts, "target": args.target or "hf_specdec demo-target"},
+    )
+    paths = write_report(report, args.out, stem=args.stem)
+    print(format_console_table(report))
+    if len(report["config"]["categories"]) > 1:
+        print()
+        print(
+            category_table(
+                report, mode="greedy" if 0.0 in args.temperature else "sampling", batch_size=args.batch_size[0]
+            )
+        )
+    print("\n" + "\n".join(f"wrote {p}" for p in paths.values() if p))
+    bad = [r["method"] for r in report["records"] if r.get("identical") is False and not r.get("approximate")]
+    if bad:
+        print(f"ERROR: greedy outputs differ from plain generate for {sorted(set(bad))}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _add_target_args(p) -> None:
     p.add_argument("--target", required=True, help="target model: local folder or Hub id")
     p.add_argument("--dtype", default="auto", help="target dtype: auto, float32, bfloat16, float16")
@@ -154,6 +259,59 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=4, help="draft tokens per step")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.set_defaults(func=_selfcheck)
+
+    p = sub.add_parser(
+        "demo",
+        help="the shipped demo: a code model trained by hf_specdec and its EAGLE-3 drafter; plain vs speculative "
+        "generate on held-out prompts (table, demo_report.json, demo_report.png)",
+    )
+    p.add_argument("--prompts", type=int, default=8, help="number of held-out prompts (max 37)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--k", type=int, default=None, help="draft tokens per step (default: the drafter's)")
+    p.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts")
+    p.add_argument("--out", default=".", help="folder for demo_report.json / .png")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--train", action="store_true", help="first retrain the drafter from scratch (about 25 min on 2 cores)"
+    )
+    p.add_argument("--train-steps", type=int, default=400)
+    p.add_argument("--train-dir", default="runs/demo-train", help="where --train writes data and checkpoints")
+    p.set_defaults(func=_demo)
+
+    p = sub.add_parser(
+        "bench",
+        help="Spec-Bench-style benchmark: plain generate vs drafters vs transformers' assisted generation and "
+        "prompt lookup; tokens/s, speedup, tau, acceptance by position, draft cost; JSON, Markdown and PNG",
+    )
+    p.add_argument("--target", default=None, help="target model folder or Hub id (default: the demo target)")
+    p.add_argument("--dtype", default="auto", help="target dtype: auto, float32, bfloat16, float16")
+    p.add_argument("--device-map", default=None, help='accelerate placement of the target, e.g. "auto"')
+    p.add_argument("--drafter", nargs="+", default=None, help="hf_specdec drafter folders / Hub ids")
+    p.add_argument("--num-draft-tokens", type=int, nargs="+", default=None, help="K values to measure per drafter")
+    p.add_argument("--verifier", nargs="+", default=None, help="also measure these verifiers (e.g. asd)")
+    p.add_argument("--assistant", default=None, help="small assistant model for transformers' assisted generation")
+    p.add_argument("--assistant-tokens", type=int, default=None, help="num_assistant_tokens for --assistant")
+    p.add_argument("--prompt-lookup", type=int, default=10, help="prompt-lookup draft length (0: off)")
+    p.add_argument("--no-peers", action="store_true", help="skip transformers' assisted generation / prompt lookup")
+    p.add_argument(
+        "--prompts",
+        default="demo",
+        help="demo | spec-bench | humaneval | path to a Spec-Bench question.jsonl, a JSONL or a .txt file",
+    )
+    p.add_argument("--categories", nargs="+", default=None)
+    p.add_argument("--max-prompts", type=int, default=None, help="at most N prompts per category")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="keep only the last N tokens of a prompt")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="0 = greedy; several allowed")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--stem", default="bench", help="file name stem of the outputs")
+    p.set_defaults(func=_bench)
 
     p = sub.add_parser("regenerate", help="self-distillation: let the target answer the prompts of a JSONL file")
     _add_target_args(p)

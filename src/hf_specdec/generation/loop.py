@@ -11,6 +11,7 @@ With batch size 1 the cache is simply cropped, so no slot is ever wasted.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -30,24 +31,40 @@ _KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "cache", "use_cache", "
 class _DraftSelector:
     """Token selection for drafters: same logits processors and decoding mode as the verifier."""
 
-    def __init__(self, processor: ScoreProcessor, seq: torch.Tensor, lengths: torch.Tensor, do_sample: bool, gen):
+    def __init__(
+        self, processor: ScoreProcessor, seq: torch.Tensor, lengths: torch.Tensor, do_sample: bool, gen, vocab_size
+    ):
         self.processor = processor
+        self.vocab_size = vocab_size
         self.seq = seq
         self.lengths = lengths  # committed length (prompt + generated) per row
         self.do_sample = do_sample
         self.generator = gen
 
-    def __call__(self, logits: torch.Tensor, depth: int):
+    def __call__(self, logits: torch.Tensor, depth: int, vocab_ids: torch.LongTensor | None = None):
         logits = logits.to(self.seq.device, torch.float32)
-        scores = self.processor(logits[:, None], self.seq, self.lengths + depth)[:, 0]
+        if vocab_ids is not None:
+            vocab_ids = vocab_ids.to(self.seq.device)
+            if self.processor.is_identity and not self.do_sample:
+                # Greedy without processors: the argmax over the draft vocabulary is the argmax over the target
+                # vocabulary with -inf outside it, without building the full-vocabulary tensor.
+                return vocab_ids[logits.argmax(dim=-1)], None
+            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+            full[:, vocab_ids] = logits
+            logits = full
+        if self.processor.is_identity:
+            scores = logits
+        else:
+            scores = self.processor(logits[:, None], self.seq, self.lengths + depth)[:, 0]
         if self.do_sample:
             probs = torch.softmax(scores, dim=-1)
             tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
         else:
             probs, tokens = None, scores.argmax(dim=-1)
-        # Write the draft token into the row buffer so later positions see it in their prefix.
-        rows = torch.arange(tokens.shape[0], device=self.seq.device)
-        self.seq[rows, self.lengths + depth] = tokens
+        if not self.processor.is_identity:
+            # Later draft positions see this token in their processors' prefix.
+            rows = torch.arange(tokens.shape[0], device=self.seq.device)
+            self.seq[rows, self.lengths + depth] = tokens
         return tokens, probs
 
 
@@ -128,6 +145,7 @@ def speculative_generate(
     verifier: Any = None,
     verifier_options: dict | None = None,
     spec_streamer=None,
+    spec_timing: bool = False,
     **model_kwargs,
 ):
     """Speculative decoding with an hf_specdec drafter.
@@ -143,6 +161,8 @@ def speculative_generate(
             drafter's ``config.num_draft_tokens``.
         verifier: ``None`` (greedy or lossless sampling, following ``do_sample``), a registered verifier name, or a
             :class:`~hf_specdec.verification.Verifier` instance; ``verifier_options`` are passed to its constructor.
+        spec_timing: synchronise the accelerator around the drafter and target calls so that the wall-clock split
+            reported in ``timings`` is exact on CUDA (costs a little speed; on CPU the split is always exact).
 
     Returns:
         ``torch.LongTensor`` of sequences, or a :class:`SpeculativeDecoderOnlyOutput` with
@@ -230,6 +250,17 @@ def speculative_generate(
             raise ValueError(f"Streamers support batch size 1 (as in transformers); got a batch of {bsz}.")
         streamer.put(input_ids.cpu())
 
+    sync = spec_timing and work.type != "cpu"
+    timings = {"draft_s": 0.0, "target_s": 0.0, "verify_s": 0.0}
+    draft_log: list[int] = []
+
+    def clock() -> float:
+        if sync:
+            torch.accelerator.synchronize(work)
+        return time.perf_counter()
+
+    t_start = clock()
+
     def target_forward(ids, mask, pos, keep_all: bool):
         kwargs = {"use_cache": True, "output_hidden_states": need_hidden, "return_dict": True}
         if not keep_all and _supports_logits_to_keep(model):
@@ -284,7 +315,10 @@ def speculative_generate(
 
     # ---------------------------------------------------------------- prefill: one target pass over the prompt
     prefill_mask = attention_mask if use_slot_mask else None
+    t0 = clock()
     logits, hidden = target_forward(input_ids, prefill_mask, position_ids, keep_all=False)
+    t1 = clock()
+    timings["prefill_s"] = t1 - t0
     forwards += 1
     raw0 = logits[:, -1].to(device=work, dtype=torch.float32)
     scores0 = processor(raw0[:, None], seq, torch.full_like(n_gen, prompt_len))[:, 0]
@@ -297,6 +331,7 @@ def speculative_generate(
     next_pos = position_ids[:, -1] + 1
     slot_mask = attention_mask if use_slot_mask else None
 
+    t0 = clock()
     state = drafter.init_draft_state(bsz, max_length + k_max + 1)
     drafter.observe(
         state,
@@ -308,7 +343,8 @@ def speculative_generate(
         ),
     )
     del hidden, logits
-    selector = _DraftSelector(processor, seq, prompt_len + n_gen, do_sample, gen)
+    timings["draft_s"] += clock() - t0
+    selector = _DraftSelector(processor, seq, prompt_len + n_gen, do_sample, gen, raw0.shape[-1])
 
     # ---------------------------------------------------------------- decoding steps
     done = bool(finished.all())
@@ -317,6 +353,7 @@ def speculative_generate(
         remaining = int((max_new - n_gen).masked_fill(finished, 0).max())
         k = min(k_max, remaining - 1)
         lengths = prompt_len + n_gen
+        t0 = clock()
         if k > 0:
             selector.lengths = lengths
             proposal = drafter.propose(state, k, selector)
@@ -327,12 +364,17 @@ def speculative_generate(
         else:
             draft = seq.new_empty(bsz, 0)
             proposal = Proposal(tokens=draft)
+        draft_log.append(k)
+        t1 = clock()
+        timings["draft_s"] += t1 - t0
         feed = torch.cat([last_token[:, None], draft], dim=1)  # (bsz, k + 1)
         offsets = steps[:, : k + 1]
         pos = next_pos[:, None] + offsets
         if slot_mask is not None:
             slot_mask = torch.cat([slot_mask, slot_mask.new_ones(bsz, k + 1)], dim=1)
         logits, hidden = target_forward(feed, slot_mask, pos, keep_all=True)
+        t2 = clock()
+        timings["target_s"] += t2 - t1
         forwards += active.long()
         raw = logits.to(device=work, dtype=torch.float32)
         scores = processor(raw, seq, lengths)
@@ -351,6 +393,8 @@ def speculative_generate(
             slot_mask = slot_mask[:, : base + n_max + 1]
         if k > n_max:
             cache.crop(n_max - k)
+        t3 = clock()
+        timings["verify_s"] += t3 - t2
 
         done = bool(finished.all())
         if done:
@@ -369,9 +413,13 @@ def speculative_generate(
         last_token = new_tokens[rows, n]
         next_pos = next_pos + n + 1
         del hidden, logits
+        timings["draft_s"] += clock() - t3
 
     if streamer is not None:
         streamer.end()
+    timings["total_s"] = clock() - t_start
+    timings["draft_steps"] = sum(draft_log)  # draft tokens proposed, over all passes (batch-level)
+    timings["passes"] = len(draft_log)
 
     total = int(n_gen.max())
     col = torch.arange(total, device=work)[None]
@@ -396,7 +444,9 @@ def speculative_generate(
         return tuple(buf.unbind(0))
 
     acc = torch.stack(accept_log, dim=1) if accept_log else torch.zeros(bsz, 0, dtype=torch.long, device=work)
-    accepted_lengths = [[x for x in row if x > 0] for row in acc.tolist()]  # drop passes after a row finished
+    # Drop the passes after a row finished.
+    accepted_lengths = [[x for x in row if x > 0] for row in acc.tolist()]
+    draft_lengths = [[k for x, k in zip(row, draft_log) if x > 0] for row in acc.tolist()]
     stats = {key: torch.stack(vals, 1).sum(1) for key, vals in stats_log.items()} or None
     return SpeculativeDecoderOnlyOutput(
         sequences=out_seq,
@@ -405,6 +455,8 @@ def speculative_generate(
         # A batched run's cache holds masked slots of rejected tokens, so it is only returned for batch size 1.
         cache=cache if not use_slot_mask else None,
         accepted_lengths=accepted_lengths,
+        draft_lengths=draft_lengths,
+        timings=timings,
         num_target_forwards=forwards.to(in_device),
         num_draft_tokens=k_max,
         verifier=ver.name,

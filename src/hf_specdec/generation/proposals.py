@@ -76,13 +76,19 @@ class TokenSelector(Protocol):
 
     do_sample: bool
 
-    def __call__(self, logits: torch.Tensor, depth: int) -> tuple[torch.LongTensor, torch.FloatTensor | None]:
+    def __call__(
+        self, logits: torch.Tensor, depth: int, vocab_ids: torch.LongTensor | None = None
+    ) -> tuple[torch.LongTensor, torch.FloatTensor | None]:
         """Selects one token per row.
 
         Args:
-            logits: ``(batch, vocab)`` draft logits in the *target* vocabulary (``-inf`` outside the draft vocab).
+            logits: ``(batch, vocab)`` draft logits in the *target* vocabulary, or, with ``vocab_ids``, over a
+                reduced draft vocabulary.
             depth: 0-based index of this token in the proposal (the loop uses it to build the logits processors'
                 prefix: the committed tokens plus the ``depth`` draft tokens before it).
+            vocab_ids: ``(draft_vocab,)`` target ids of the columns of ``logits`` when they cover a reduced draft
+                vocabulary (tokens outside it get probability 0). Lets greedy decoding skip building a
+                full-vocabulary tensor.
 
         Returns:
             ``(tokens, probs)``: ``(batch,)`` token ids and the ``(batch, vocab)`` distribution they were drawn from

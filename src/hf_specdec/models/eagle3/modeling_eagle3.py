@@ -388,14 +388,15 @@ class Eagle3ForDrafting(DrafterPreTrainedModel):
         embeds = self.embed_target_tokens(inputs.next_token_ids)
         valid = inputs.valid.to(self.device)
         positions = inputs.position_ids.to(self.device)
-        out, logits = self._step(embeds, hidden, positions, valid, state.cache)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        out = self.midlayer(embeds, hidden, cos, sin, state.cache, valid)
         state.committed_slots = state.cache.length
-        # Latest verified slot of each row.
+        # Latest verified slot of each row: only its logits are needed (the first draft token).
         slot = torch.arange(valid.shape[1], device=valid.device)
         last = torch.where(valid, slot, -1).max(dim=1).values.clamp(min=0)
         rows = torch.arange(valid.shape[0], device=valid.device)
         state.last_hidden = out[rows, last]
-        state.last_logits = logits[rows, last]
+        state.last_logits = self.lm_head(self.norm(state.last_hidden))
         state.last_position = positions[rows, last]
 
     def propose(self, state: Eagle3DraftState, num_tokens: int, select: TokenSelector) -> Proposal:
@@ -403,8 +404,10 @@ class Eagle3ForDrafting(DrafterPreTrainedModel):
         logits, hidden = state.last_logits, state.last_hidden
         bsz = hidden.shape[0]
         ones = torch.ones(bsz, 1, dtype=torch.bool, device=hidden.device)
+        reduced = self.config.draft_vocab_size != self.config.target_vocab_size
+        vocab_ids = self.draft_token_ids if reduced else None
         for depth in range(num_tokens):
-            tok, q = select(self.draft_to_target_logits(logits.float()), depth)
+            tok, q = select(logits.float(), depth, vocab_ids)
             tokens.append(tok)
             probs.append(q)
             if depth == num_tokens - 1:

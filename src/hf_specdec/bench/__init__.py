@@ -1,0 +1,1 @@
+"""Benchmark helpers: prompt sets (Spec-Bench, HumanEval, JSONL/TXT files) and report writers."""

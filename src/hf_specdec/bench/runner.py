@@ -1,0 +1,564 @@
+"""Spec-Bench-style benchmark: plain ``generate``, hf_specdec drafters and transformers' own speculative methods,
+interleaved in one run on the same prompts, with the metrics that explain a speedup.
+
+Protocol (as in Spec-Bench): warm-up runs first; then, for every repeat and every prompt batch, each method runs once,
+in an order rotated from batch to batch so that no method always runs first (or last) on a warm cache. Every method
+sees exactly the same inputs and generation settings. Prompts are batched within their category only, so per-category
+figures stay meaningful at batch size > 1.
+
+Metrics per method, decoding mode, batch size and category (see :func:`run_benchmark`):
+
+* ``tokens_per_s``: new tokens (up to and including EOS) over wall-clock time, summed over all repeats;
+* ``speedup``: ``tokens_per_s`` over that of plain ``generate`` in the same mode, batch size and category;
+* ``mean_accepted_length`` τ: tokens committed per target verification pass (plain decoding: 1). Exact for
+  hf_specdec drafters; for transformers' methods, new tokens per target forward pass (their prefill included);
+* ``acceptance_by_position``: for hf_specdec drafters, the rate at which the ``j``-th draft token was accepted,
+  among the passes that drafted at least ``j`` tokens;
+* ``alpha``: per-token acceptance rate, the maximum-likelihood estimate for a chain whose tokens are accepted
+  independently with probability α (accepted draft tokens over draft tokens that were reached);
+* ``draft_cost_ratio`` c: drafting time per draft token over the time of one plain decoding step (plain wall time
+  over plain target forward passes, same run);
+* ``speedup_bound``: ``min(1/c, 1/(1-α))``; drafting costs at least ``c`` target steps per token, and a pass cannot
+  commit more than ``1/(1-α)`` tokens on average however long the draft;
+* ``identical``: greedy outputs are token-identical to plain ``generate`` (``None`` for sampling).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .prompts import PromptItem, render_prompt
+
+__all__ = [
+    "BenchMethod",
+    "plain_method",
+    "drafter_method",
+    "assisted_method",
+    "prompt_lookup_method",
+    "run_benchmark",
+    "hardware_info",
+]
+
+
+@dataclass
+class BenchMethod:
+    """One decoding method of a benchmark.
+
+    Attributes:
+        name: label in the report (unique within a run).
+        kind: ``"plain"``, ``"drafter"`` (an hf_specdec drafter), ``"assisted"`` (transformers' assisted generation
+            with a small assistant model) or ``"prompt_lookup"`` (transformers' prompt-lookup decoding).
+        model: the drafter or assistant model, if any.
+        generate_kwargs: extra keyword arguments for ``target.generate``.
+        max_batch_size: largest batch the method supports (transformers' speculative methods: 1).
+        approximate: outputs may deviate from the target's own decoding (approximate verifiers).
+    """
+
+    name: str
+    kind: str
+    model: Any = None
+    generate_kwargs: dict = field(default_factory=dict)
+    max_batch_size: int | None = None
+    approximate: bool = False
+
+    def skip_reason(self, batch_size: int, do_sample: bool) -> str | None:
+        if self.max_batch_size is not None and batch_size > self.max_batch_size:
+            return f"{self.kind} supports batch size <= {self.max_batch_size} in transformers"
+        if self.approximate and do_sample:
+            return "approximate verifier is greedy-only"
+        return None
+
+
+def plain_method() -> BenchMethod:
+    return BenchMethod(name="plain", kind="plain")
+
+
+def drafter_method(
+    drafter,
+    name: str | None = None,
+    num_draft_tokens: int | None = None,
+    verifier: str | None = None,
+    verifier_options: dict | None = None,
+) -> BenchMethod:
+    """An hf_specdec drafter (``target.generate(assistant_model=drafter)``)."""
+    from ..verification import VERIFIERS
+
+    kwargs: dict = {"assistant_model": drafter, "spec_timing": True}
+    if num_draft_tokens is not None:
+        kwargs["num_assistant_tokens"] = int(num_draft_tokens)
+    approximate = False
+    if verifier is not None:
+        if verifier not in VERIFIERS:
+            raise ValueError(f"Unknown verifier {verifier!r}. Available: {sorted(VERIFIERS)}.")
+        kwargs["verifier"] = verifier
+        approximate = bool(VERIFIERS[verifier].approximate)
+    if verifier_options:
+        kwargs["verifier_options"] = dict(verifier_options)
+    if name is None:
+        family = drafter.config.model_type.removesuffix("_drafter")
+        source = os.path.basename(str(getattr(drafter, "name_or_path", "") or "").rstrip("/")) or "drafter"
+        k = num_draft_tokens or drafter.config.num_draft_tokens
+        name = f"{family}:{source} K={k}" + (f" [{verifier}]" if verifier else "")
+    return BenchMethod(name=name, kind="drafter", model=drafter, generate_kwargs=kwargs, approximate=approximate)
+
+
+def assisted_method(assistant, name: str | None = None, num_assistant_tokens: int | None = None) -> BenchMethod:
+    """transformers' assisted generation with a small assistant model sharing the target's tokenizer."""
+    kwargs: dict = {"assistant_model": assistant}
+    if num_assistant_tokens is not None:
+        kwargs["num_assistant_tokens"] = int(num_assistant_tokens)
+    if name is None:
+        source = os.path.basename(str(getattr(assistant, "name_or_path", "") or "").rstrip("/")) or "assistant"
+        name = f"assisted:{source}"
+    return BenchMethod(name=name, kind="assisted", model=assistant, generate_kwargs=kwargs, max_batch_size=1)
+
+
+def prompt_lookup_method(num_tokens: int = 10, max_ngram_size: int = 2) -> BenchMethod:
+    """transformers' prompt-lookup decoding (n-gram matches in the prompt as drafts)."""
+    kwargs = {"prompt_lookup_num_tokens": int(num_tokens), "max_matching_ngram_size": int(max_ngram_size)}
+    return BenchMethod(
+        name=f"prompt-lookup:{num_tokens}", kind="prompt_lookup", generate_kwargs=kwargs, max_batch_size=1
+    )
+
+
+def hardware_info(device: torch.device | str | None = None) -> dict:
+    """Where the benchmark ran: device, its name, threads and library versions."""
+    import transformers
+
+    from .. import __version__
+
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    info = {
+        "device": device.type,
+        "device_name": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hf_specdec": __version__,
+    }
+    if device.type == "cuda" and torch.cuda.is_available():
+        info["device_name"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class _Counter:
+    """Counts forward calls of a module and the wall time spent in them (forward hooks)."""
+
+    def __init__(self, module: torch.nn.Module | None, timed: bool):
+        self.calls = 0
+        self.seconds = 0.0
+        self._t0 = 0.0
+        self._handles = []
+        if module is not None:
+            self._handles.append(module.register_forward_pre_hook(self._pre))
+            self._handles.append(module.register_forward_hook(self._post))
+        self.timed = timed
+
+    def _pre(self, module, args):
+        self.calls += 1
+        if self.timed:
+            self._t0 = time.perf_counter()
+
+    def _post(self, module, args, output):
+        if self.timed:
+            self.seconds += time.perf_counter() - self._t0
+
+    def reset(self) -> None:
+        self.calls, self.seconds = 0, 0.0
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+@dataclass
+class _Run:
+    """Measurements of one method on one prompt batch (one repeat)."""
+
+    seconds: float
+    new_tokens: int
+    target_forwards: int
+    sequences: torch.Tensor | None = None
+    accepted: list[int] = field(default_factory=list)  # per pass, bonus included (all rows)
+    drafted: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    draft_steps: int = 0
+    assistant_calls: int = 0
+    assistant_s: float = 0.0
+
+
+def _count_new_tokens(new: torch.Tensor, eos_ids: set[int]) -> int:
+    """Tokens per row up to and including the first EOS (rows finished early are padded after it)."""
+    total = 0
+    for row in new.tolist():
+        count = len(row)
+        for i, tok in enumerate(row):
+            if tok in eos_ids:
+                count = i + 1
+                break
+        total += count
+    return total
+
+
+def _eos_ids(target) -> set[int]:
+    eos = target.generation_config.eos_token_id
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _batches(prompts: list[PromptItem], batch_size: int) -> list[list[PromptItem]]:
+    by_category: dict[str, list[PromptItem]] = {}
+    for item in prompts:
+        by_category.setdefault(item.category, []).append(item)
+    out = []
+    for items in by_category.values():
+        out.extend(items[i : i + batch_size] for i in range(0, len(items), batch_size))
+    return out
+
+
+def run_benchmark(
+    target,
+    tokenizer,
+    methods: list[BenchMethod],
+    prompts: list[PromptItem],
+    *,
+    max_new_tokens: int = 128,
+    temperatures: tuple[float, ...] | list[float] = (0.0,),
+    batch_sizes: tuple[int, ...] | list[int] = (1,),
+    warmup: int = 1,
+    repeats: int = 1,
+    seed: int = 0,
+    top_p: float | None = None,
+    max_prompt_tokens: int | None = None,
+    progress: bool = True,
+    config: dict | None = None,
+) -> dict:
+    """Runs every method on every prompt, interleaved, and returns a report (see :mod:`hf_specdec.bench.report`).
+
+    Args:
+        target: the target causal LM (any transformers decoder-only model, accelerate-dispatched or not).
+        tokenizer: its tokenizer (chat prompts use its chat template when it has one).
+        methods: what to compare; plain ``generate`` is added first if missing (it is the baseline).
+        prompts: from :func:`hf_specdec.bench.prompts.load_prompts`.
+        max_new_tokens: generation length per prompt.
+        temperatures: ``0`` means greedy; ``T > 0`` samples at temperature ``T`` (``top_k`` off, ``top_p``).
+        batch_sizes: batch sizes to measure; methods that do not support a batch size are reported as skipped.
+        warmup: untimed runs of every method on the first batch before timing.
+        repeats: timed passes over all prompts.
+        seed: sampling seed; every method gets the same seed for the same batch and repeat.
+        max_prompt_tokens: keep only the last ``N`` tokens of longer prompts (``None``: an over-long prompt is an
+            error).
+        config: extra fields recorded in the report's ``config``.
+    """
+    if not prompts:
+        raise ValueError("No prompts to benchmark: check the prompt source, categories and limits.")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}.")
+    if any(b < 1 for b in batch_sizes):
+        raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}.")
+    if any(t < 0 for t in temperatures):
+        raise ValueError(f"temperatures must be >= 0, got {list(temperatures)}.")
+    names = [m.name for m in methods]
+    if len(set(names)) != len(names):
+        raise ValueError(f"Method names must be unique, got {names}.")
+    methods = list(methods)
+    if not any(m.kind == "plain" for m in methods):
+        methods.insert(0, plain_method())
+    plain_name = next(m.name for m in methods if m.kind == "plain")
+
+    device = target.get_output_embeddings().weight.device
+    input_device = target.get_input_embeddings().weight.device
+    eos_ids = _eos_ids(target)
+    if tokenizer.pad_token_id is None:
+        raise ValueError("The tokenizer has no pad token; set `tokenizer.pad_token` (e.g. to its EOS token).")
+    pad_id = tokenizer.pad_token_id
+    max_positions = getattr(target.config, "max_position_embeddings", None)
+
+    encoded = {}
+    for item in prompts:
+        ids = tokenizer(render_prompt(item, tokenizer), return_tensors="pt").input_ids[0]
+        if max_prompt_tokens is not None and ids.numel() > max_prompt_tokens:
+            ids = ids[-max_prompt_tokens:]
+        if max_positions is not None and ids.numel() + max_new_tokens > max_positions:
+            raise ValueError(
+                f"Prompt {item.id!r} has {ids.numel()} tokens; with max_new_tokens={max_new_tokens} it exceeds the "
+                f"target's {max_positions} positions. Pass max_prompt_tokens (--max-prompt-tokens) or fewer tokens."
+            )
+        encoded[item.id] = ids
+
+    def make_inputs(batch: list[PromptItem]):
+        seqs = [encoded[item.id] for item in batch]
+        width = max(s.numel() for s in seqs)
+        ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):  # left padding
+            ids[i, width - s.numel() :] = s
+            mask[i, width - s.numel() :] = 1
+        return ids.to(input_device), mask.to(input_device)
+
+    target_counter = _Counter(target, timed=False)
+    assistant_counters = {m.name: _Counter(m.model, timed=True) for m in methods if m.kind == "assisted"}
+
+    def run_once(method: BenchMethod, ids, mask, temperature: float, run_seed: int) -> _Run:
+        kwargs = dict(method.generate_kwargs)
+        kwargs.update(max_new_tokens=max_new_tokens, pad_token_id=pad_id)
+        if temperature > 0:
+            kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0 if top_p is None else top_p)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        if method.kind == "drafter":
+            kwargs["return_dict_in_generate"] = True
+        counter = assistant_counters.get(method.name)
+        if counter is not None:
+            counter.reset()
+        target_counter.reset()
+        torch.manual_seed(run_seed)
+        _sync(device)
+        t0 = time.perf_counter()
+        out = target.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        sequences = out.sequences if hasattr(out, "sequences") else out
+        run = _Run(
+            seconds=seconds,
+            new_tokens=_count_new_tokens(sequences[:, ids.shape[1] :], eos_ids),
+            target_forwards=target_counter.calls,
+            sequences=sequences.cpu(),
+        )
+        if method.kind == "drafter":
+            for acc_row, draft_row in zip(out.accepted_lengths, out.draft_lengths):
+                run.accepted.extend(acc_row)
+                run.drafted.extend(draft_row)
+            run.draft_s = out.timings["draft_s"]
+            run.draft_steps = out.timings["draft_steps"]
+        if counter is not None:
+            run.assistant_calls, run.assistant_s = counter.calls, counter.seconds
+        return run
+
+    settings = [(t, b) for t in temperatures for b in batch_sizes]
+    total = sum(len(_batches(prompts, b)) for _, b in settings) * repeats * len(methods)
+    bar = _progress(total, progress)
+    results: dict[tuple, list[_Run]] = {}
+    skipped: dict[tuple, str] = {}
+    batches_of: dict[int, list[list[PromptItem]]] = {}
+    try:
+        for temperature, bsz in settings:
+            batches = batches_of.setdefault(bsz, _batches(prompts, bsz))
+            active = []
+            for method in methods:
+                reason = method.skip_reason(bsz, temperature > 0)
+                if reason:
+                    skipped[(method.name, temperature, bsz)] = reason
+                else:
+                    active.append(method)
+            ids, mask = make_inputs(batches[0])
+            for _ in range(warmup):
+                for method in active:
+                    run_once(method, ids, mask, temperature, seed)
+            for rep in range(repeats):
+                for b_idx, batch in enumerate(batches):
+                    ids, mask = make_inputs(batch)
+                    shift = (rep + b_idx) % len(active)
+                    for method in active[shift:] + active[:shift]:
+                        run = run_once(method, ids, mask, temperature, seed + 1000 * rep + b_idx)
+                        results.setdefault((method.name, temperature, bsz, b_idx), []).append(run)
+                        bar.update(1)
+                    bar.update(len(methods) - len(active))
+    finally:
+        bar.close()
+        target_counter.remove()
+        for counter in assistant_counters.values():
+            counter.remove()
+
+    records = []
+    for temperature, bsz in settings:
+        batches = batches_of[bsz]
+        categories = sorted({item.category for item in prompts})
+        groups = [("all", list(range(len(batches))))]
+        if len(categories) > 1:
+            for cat in categories:
+                groups.append((cat, [i for i, b in enumerate(batches) if b[0].category == cat]))
+        for cat, idx in groups:
+            plain = _aggregate(results, plain_name, temperature, bsz, idx, None)
+            for method in methods:
+                key = (method.name, temperature, bsz)
+                base = {
+                    "method": method.name,
+                    "kind": method.kind,
+                    "mode": "sampling" if temperature > 0 else "greedy",
+                    "temperature": float(temperature),
+                    "batch_size": bsz,
+                    "category": cat,
+                    "num_prompts": sum(len(batches[i]) for i in idx),
+                    "approximate": method.approximate,
+                }
+                if key in skipped:
+                    records.append({**base, "skipped": skipped[key]})
+                    continue
+                records.append({**base, **_aggregate(results, method.name, temperature, bsz, idx, plain)})
+
+    report_config = {
+        "target": str(getattr(target, "name_or_path", "") or type(target).__name__),
+        "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        "max_new_tokens": max_new_tokens,
+        "temperatures": list(temperatures),
+        "top_p": top_p,
+        "batch_sizes": list(batch_sizes),
+        "warmup": warmup,
+        "repeats": repeats,
+        "seed": seed,
+        "num_prompts": len(prompts),
+        "categories": sorted({item.category for item in prompts}),
+        "max_prompt_tokens": max_prompt_tokens,
+        "methods": [{"name": m.name, "kind": m.kind, **_describe_kwargs(m.generate_kwargs)} for m in methods],
+    }
+    report_config.update(config or {})
+    return {"hardware": hardware_info(device), "config": report_config, "records": records}
+
+
+def _describe_kwargs(kwargs: dict) -> dict:
+    out = {}
+    for key, value in kwargs.items():
+        if key in ("assistant_model", "spec_timing"):
+            continue
+        out[key] = value
+    return out
+
+
+def _aggregate(results, name, temperature, bsz, idx, plain: dict | None) -> dict:
+    runs = [r for i in idx for r in results.get((name, temperature, bsz, i), [])]
+    seconds = sum(r.seconds for r in runs)
+    tokens = sum(r.new_tokens for r in runs)
+    forwards = sum(r.target_forwards for r in runs)
+    rec: dict[str, Any] = {
+        "new_tokens": tokens,
+        "wall_s": round(seconds, 4),
+        "tokens_per_s": round(tokens / seconds, 3) if seconds > 0 else None,
+        "target_forwards": forwards,
+        "median_run_s": round(statistics.median(r.seconds for r in runs), 4) if runs else None,
+    }
+    if plain is None:  # this is the baseline itself
+        rec["step_s"] = seconds / forwards if forwards else None
+        plain = rec
+    rec["speedup"] = (
+        round(rec["tokens_per_s"] / plain["tokens_per_s"], 4)
+        if rec["tokens_per_s"] and plain.get("tokens_per_s")
+        else None
+    )
+    step_s = plain.get("step_s")
+    accepted = [a for r in runs for a in r.accepted]
+    drafted = [d for r in runs for d in r.drafted]
+    tau = alpha = cost = None
+    by_position = None
+    if runs and runs[0].accepted or accepted:
+        tau = sum(accepted) / len(accepted)
+        by_position, alpha = _acceptance(accepted, drafted)
+        steps = sum(r.draft_steps for r in runs)
+        if steps and step_s:
+            cost = sum(r.draft_s for r in runs) / steps / step_s
+    elif forwards:
+        tau = tokens / forwards if name != "plain" else 1.0
+        calls = sum(r.assistant_calls for r in runs)
+        if calls and step_s:
+            cost = sum(r.assistant_s for r in runs) / calls / step_s
+    if rec.get("step_s") is not None:  # plain decoding
+        tau = 1.0
+    bound = None
+    limits = []
+    if cost:
+        limits.append(1.0 / cost)
+    if alpha is not None:
+        limits.append(math.inf if alpha >= 1.0 else 1.0 / (1.0 - alpha))
+    if limits and min(limits) < math.inf:
+        bound = min(limits)
+    identical = None
+    if temperature == 0 and plain is not rec:
+        plain_runs = [r for i in idx for r in results.get(("plain", temperature, bsz, i), [])[:1]]
+        mine = [r for i in idx for r in results.get((name, temperature, bsz, i), [])[:1]]
+        identical = len(plain_runs) == len(mine) and all(
+            a.sequences.shape == b.sequences.shape and torch.equal(a.sequences, b.sequences)
+            for a, b in zip(plain_runs, mine)
+        )
+    elif temperature == 0:
+        identical = True
+    rec.update(
+        mean_accepted_length=_round(tau),
+        acceptance_by_position=[_round(x) for x in by_position] if by_position else None,
+        alpha=_round(alpha),
+        draft_cost_ratio=_round(cost),
+        speedup_bound=_round(bound),
+        identical=identical,
+    )
+    rec.pop("step_s", None) if plain is not rec else None
+    return rec
+
+
+def _acceptance(accepted: list[int], drafted: list[int]) -> tuple[list[float], float | None]:
+    """Per-position acceptance rates and α from per-pass committed counts (bonus included) and draft lengths."""
+    k_max = max(drafted, default=0)
+    if k_max == 0:
+        return [], None
+    reached_at = [0] * k_max
+    accepted_at = [0] * k_max
+    total_acc = total_reached = 0
+    for a, k in zip(accepted, drafted):
+        n = min(max(a - 1, 0), k)  # accepted draft tokens (a is cut by EOS / the length limit)
+        for j in range(k):
+            reached_at[j] += 1
+            accepted_at[j] += j < n
+        total_acc += n
+        total_reached += min(n + 1, k)
+    by_position = [accepted_at[j] / reached_at[j] if reached_at[j] else 0.0 for j in range(k_max)]
+    alpha = total_acc / total_reached if total_reached else None
+    return by_position, alpha
+
+
+def _round(x, digits: int = 5):
+    """``digits`` significant digits."""
+    return None if x is None else float(f"{float(x):.{digits}g}")
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="bench", unit="run", dynamic_ncols=True)

@@ -1,0 +1,161 @@
+"""The benchmark runner: interleaved methods, metrics that follow from the measurements, peers, CLI."""
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import EOS, char_tokenizer, make_oracle, make_target
+
+from hf_specdec import AutoModelForDrafting, Eagle3Config
+from hf_specdec.bench.prompts import PromptItem
+from hf_specdec.bench.runner import (
+    _acceptance,
+    _count_new_tokens,
+    assisted_method,
+    drafter_method,
+    plain_method,
+    prompt_lookup_method,
+    run_benchmark,
+)
+
+PROMPTS = [
+    PromptItem(id="a", category="letters", text="abcabcabc"),
+    PromptItem(id="b", category="letters", text="hello world"),
+    PromptItem(id="c", category="digits", text="0123401234"),
+]
+
+
+def _records(report, **where):
+    return [r for r in report["records"] if all(r.get(k) == v for k, v in where.items())]
+
+
+def test_acceptance_statistics_from_pass_counts():
+    # Passes committed 6, 1 and 3 tokens (bonus included) out of 5 drafted: 5, 0 and 2 drafts accepted.
+    by_position, alpha = _acceptance([6, 1, 3], [5, 5, 5])
+    assert by_position == pytest.approx([2 / 3, 2 / 3, 1 / 3, 1 / 3, 1 / 3])
+    assert alpha == pytest.approx(7 / 9)  # accepted drafts over drafts reached (5 + 1 + 3)
+    # A short final pass (2 drafted, both accepted) only counts for positions 1 and 2.
+    by_position, alpha = _acceptance([3, 3], [5, 2])
+    assert by_position == pytest.approx([1.0, 1.0, 0.0, 0.0, 0.0])
+    assert alpha == pytest.approx(4 / 5)
+
+
+def test_new_tokens_stop_at_eos():
+    new = torch.tensor([[7, 8, EOS, EOS, EOS], [7, 8, 9, 10, 11]])
+    assert _count_new_tokens(new, {EOS}) == 3 + 5
+
+
+def test_benchmark_drafter_identical_and_metrics_consistent():
+    torch.manual_seed(0)
+    target, tok = make_target(), char_tokenizer()
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3)).eval()
+    methods = [plain_method(), drafter_method(drafter, name="eagle3")]
+    report = run_benchmark(
+        target, tok, methods, PROMPTS, max_new_tokens=12, batch_sizes=[1, 2], warmup=1, repeats=2, progress=False
+    )
+    assert report["hardware"]["device"] == "cpu" and report["config"]["repeats"] == 2
+    for bsz in (1, 2):
+        (plain,) = _records(report, method="plain", batch_size=bsz, category="all")
+        (spec,) = _records(report, method="eagle3", batch_size=bsz, category="all")
+        assert spec["identical"] is True and plain["identical"] is True
+        assert spec["new_tokens"] == plain["new_tokens"]  # same tokens, greedy
+        assert spec["speedup"] == pytest.approx(spec["tokens_per_s"] / plain["tokens_per_s"], rel=1e-3)
+        assert plain["mean_accepted_length"] == 1.0 and plain["speedup"] == 1.0
+        assert 1.0 <= spec["mean_accepted_length"] <= 4.0
+        assert len(spec["acceptance_by_position"]) == 3
+        assert 0.0 <= spec["alpha"] <= 1.0 and spec["draft_cost_ratio"] > 0
+        expected_bound = min(1 / spec["draft_cost_ratio"], 1 / (1 - spec["alpha"]) if spec["alpha"] < 1 else 1e9)
+        assert spec["speedup_bound"] == pytest.approx(expected_bound, rel=1e-3)
+    # Per-category records partition the prompts.
+    cats = _records(report, method="eagle3", batch_size=1)
+    assert sorted(r["category"] for r in cats) == ["all", "digits", "letters"]
+    assert sum(r["num_prompts"] for r in cats if r["category"] != "all") == 3
+    (all_rec,) = [r for r in cats if r["category"] == "all"]
+    assert sum(r["new_tokens"] for r in cats if r["category"] != "all") == all_rec["new_tokens"]
+
+
+def test_oracle_drafter_is_fully_accepted():
+    target, tok = make_target(), char_tokenizer()
+    item = PromptItem(id="x", category="default", text="abcdefgh")
+    ids = tok(item.text, return_tensors="pt").input_ids
+    ref = target.generate(ids, max_new_tokens=16, do_sample=False)
+    oracle = make_oracle(target, ref[:, ids.shape[1] :], num_draft_tokens=4)
+    report = run_benchmark(target, tok, [drafter_method(oracle, name="oracle")], [item], max_new_tokens=16,
+                           warmup=0, progress=False)  # fmt: skip
+    (spec,) = _records(report, method="oracle")
+    assert spec["identical"] is True
+    assert spec["acceptance_by_position"] == [1.0, 1.0, 1.0, 1.0]
+    assert spec["alpha"] == 1.0
+    assert spec["speedup_bound"] == pytest.approx(1 / spec["draft_cost_ratio"], rel=1e-3)
+    new_tokens = int(ref.shape[1] - ids.shape[1])
+    passes = -(-(new_tokens - 1) // 5)  # the prefill commits one token; each pass commits K + 1 = 5
+    assert spec["target_forwards"] == passes + 1
+
+
+def test_peers_sampling_and_skips():
+    target, tok = make_target(), char_tokenizer()
+    assistant = make_target(seed=1, layers=1)
+    methods = [plain_method(), assisted_method(assistant, name="assisted", num_assistant_tokens=3),
+               prompt_lookup_method(4)]  # fmt: skip
+    report = run_benchmark(target, tok, methods, PROMPTS[:2], max_new_tokens=10, temperatures=[0.0, 0.8],
+                           batch_sizes=[1, 2], warmup=0, progress=False)  # fmt: skip
+    (assisted,) = _records(report, method="assisted", mode="greedy", batch_size=1, category="all")
+    assert assisted["identical"] is True
+    assert assisted["mean_accepted_length"] >= 1.0 and assisted["draft_cost_ratio"] > 0
+    (lookup,) = _records(report, method="prompt-lookup:4", mode="greedy", batch_size=1, category="all")
+    assert lookup["identical"] is True and lookup["mean_accepted_length"] >= 1.0
+    (sampled,) = _records(report, method="assisted", mode="sampling", batch_size=1, category="all")
+    assert sampled["identical"] is None and sampled["new_tokens"] > 0
+    for name in ("assisted", "prompt-lookup:4"):
+        (rec,) = _records(report, method=name, mode="greedy", batch_size=2, category="all")
+        assert "batch size" in rec["skipped"]
+
+
+def test_benchmark_rejects_bad_input():
+    target, tok = make_target(), char_tokenizer()
+    with pytest.raises(ValueError, match="No prompts"):
+        run_benchmark(target, tok, [plain_method()], [], progress=False)
+    with pytest.raises(ValueError, match="unique"):
+        run_benchmark(target, tok, [plain_method(), plain_method()], PROMPTS, progress=False)
+    with pytest.raises(ValueError, match="batch sizes"):
+        run_benchmark(target, tok, [plain_method()], PROMPTS, batch_sizes=[0], progress=False)
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        run_benchmark(target, tok, [plain_method()], [PromptItem("long", "d", text="a" * 600)], progress=False)
+    with pytest.raises(ValueError, match="Unknown verifier"):
+        drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config))
+        drafter_method(drafter, verifier="nope")
+
+
+def test_bench_and_demo_commands(tmp_path):
+    from hf_specdec.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        json.dumps({"prompt": "import os\n\n\ndef main():\n", "category": "code"})
+        + "\n"
+        + json.dumps({"prompt": "class Config:\n    def __init__(self):\n", "category": "classes"})
+        + "\n"
+    )
+    out = tmp_path / "bench"
+    rc = main(["bench", "--prompts", str(prompts), "--max-new-tokens", "8", "--out", str(out), "--warmup", "0",
+               "--prompt-lookup", "4"])  # fmt: skip
+    assert rc == 0
+    report = json.loads((out / "bench.json").read_text())
+    methods = {r["method"] for r in report["records"]}
+    assert (
+        "plain" in methods and any(m.startswith("eagle3:demo-eagle3") for m in methods) and "prompt-lookup:4" in methods
+    )
+    for rec in report["records"]:
+        for key in ("method", "tokens_per_s", "speedup", "mean_accepted_length", "identical"):
+            assert key in rec
+    assert (out / "bench.md").read_text().count("|") > 10
+    assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+    rc = main(["demo", "--prompts", "1", "--max-new-tokens", "8", "--out", str(tmp_path)])
+    assert rc == 0
+    summary = json.loads((tmp_path / "demo_report.json").read_text())
+    for key in ("speedup", "mean_accepted_length", "identical", "tokens_per_s_plain", "tokens_per_s_speculative"):
+        assert key in summary
+    assert summary["identical"] is True and summary["mean_accepted_length"] > 1.0
+    assert os.path.exists(tmp_path / "demo_report.png")
