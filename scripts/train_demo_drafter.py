@@ -27,6 +27,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/demo-drafter")
     p.add_argument("--max-train-files", type=int, default=600)
+    p.add_argument("--prompts-per-file", type=int, default=1)
     p.add_argument("--regen-tokens", type=int, default=96)
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--eval-prompts", type=int, default=24)
@@ -56,6 +57,7 @@ def main(argv=None):
         draft_vocab_size=args.draft_vocab_size,
         regen_tokens=args.regen_tokens,
         max_train_files=args.max_train_files,
+        prompts_per_file=args.prompts_per_file,
         batch_size=args.batch_size,
         learning_rate=args.lr,
         seed=args.seed,

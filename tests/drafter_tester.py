@@ -205,6 +205,21 @@ class DrafterTesterMixin:
         assert row.index(eos) <= 3
         assert all(t == target.generation_config.pad_token_id for t in row[row.index(eos) + 1 :])
 
+    @pytest.mark.parametrize("batch", [1, 3])
+    def test_asd_strict_settings_are_greedy(self, batch):
+        """ASD with B = 0, M = 0 or g = 0 is strict greedy verification, for every family, token for token."""
+        target = make_target("llama", seed=1)
+        drafter = self.make_drafter(target, seed=2)
+        ids, mask = ragged_batch(batch, seed=4)
+        kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False)
+        ref = target.generate(ids, **kwargs)
+        for options in ({"asd_budget": 0.0}, {"asd_block_cap": 0}, {"asd_gate": 0.0}):
+            out = target.generate(ids, assistant_model=drafter, verifier="asd", return_dict_in_generate=True,
+                                  **options, **kwargs)  # fmt: skip
+            assert torch.equal(out.sequences, ref), options
+            assert out.approximate is True and out.verifier == "asd"
+            assert float(out.verifier_stats["regret"].sum()) == 0.0
+
     def test_explicit_custom_generate_form(self):
         import hf_specdec
 

@@ -159,3 +159,50 @@ def test_bench_and_demo_commands(tmp_path):
         assert key in summary
     assert summary["identical"] is True and summary["mean_accepted_length"] > 1.0
     assert os.path.exists(tmp_path / "demo_report.png")
+
+
+def test_asd_quality_audit_fields():
+    target, tok = make_target(seed=1), char_tokenizer()
+    item = PromptItem(id="x", category="default", text="abcdefgh")
+    ids = tok(item.text, return_tensors="pt").input_ids
+    ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+    oracle = make_oracle(target, ref[:, ids.shape[1] :], corruption=0.3, seed=1, num_draft_tokens=4)
+    methods = [
+        plain_method(),
+        drafter_method(oracle, name="strict"),
+        drafter_method(oracle, name="asd", verifier="asd", verifier_options={"budget": 50.0, "gate": 50.0}),
+    ]
+    report = run_benchmark(target, tok, methods, [item], max_new_tokens=20, warmup=0, progress=False)
+    plain, strict, asd = (_records(report, method=m)[0] for m in ("plain", "strict", "asd"))
+    assert strict["identical"] is True and strict["divergence_rate"] == 0.0
+    assert asd["approximate"] is True and plain["approximate"] is False
+    assert plain["target_logprob"] is not None and asd["target_logprob"] is not None
+    assert strict["target_logprob"] is None  # only the baseline and approximate methods are scored
+    assert asd["divergence_rate"] == 1.0 and asd["identical"] is False  # corrupted draft tokens were accepted
+    assert asd["target_logprob"] <= 0.0 and plain["target_logprob"] <= 0.0
+    # ASD is greedy-only: a sampling run reports it as skipped instead of running it.
+    report = run_benchmark(target, tok, methods, [item], max_new_tokens=4, temperatures=[0.5], warmup=0,
+                           progress=False)  # fmt: skip
+    assert "greedy-only" in _records(report, method="asd")[0]["skipped"]
+
+
+def test_asd_commands(tmp_path):
+    from hf_specdec.cli import main
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("import os\\n\\n\\ndef main():\\n\nclass A:\\n    def f(self):\\n\nx = 1\ny = 2\n")
+    out = tmp_path / "bench"
+    rc = main(["bench", "--prompts", str(prompts), "--max-new-tokens", "8", "--out", str(out), "--warmup", "0",
+               "--no-peers", "--verifier", "asd", "--asd-budget", "4"])  # fmt: skip
+    assert rc == 0
+    report = json.loads((out / "bench.json").read_text())
+    (asd,) = [r for r in report["records"] if "asd" in r["method"]]
+    assert asd["approximate"] is True and asd["target_logprob"] is not None and asd["divergence_rate"] is not None
+    assert "Approximate verification" in (out / "bench.md").read_text()
+
+    rc = main(["asd-tune", "--prompts", str(prompts), "--max-new-tokens", "8", "--budgets", "0", "4", "--gates",
+               "0.5", "--block-caps", "2", "--out", str(tmp_path / "tune.json")])  # fmt: skip
+    assert rc == 0
+    tune = json.loads((tmp_path / "tune.json").read_text())
+    assert len(tune["candidates"]) == 2 and tune["recommended"] is not None
+    assert sorted(tune["dev_prompt_ids"] + tune["test_prompt_ids"]) == ["1", "2", "3", "4"]

@@ -167,7 +167,8 @@ def _bench_methods(args, target):
         for k in args.num_draft_tokens or [None]:
             methods.append(drafter_method(drafter, num_draft_tokens=k))
             for verifier in args.verifier or []:
-                methods.append(drafter_method(drafter, num_draft_tokens=k, verifier=verifier))
+                options = _asd_options(args) if verifier == "asd" else None
+                methods.append(drafter_method(drafter, num_draft_tokens=k, verifier=verifier, verifier_options=options))
     if not args.no_peers:
         assistant = args.assistant
         if assistant is None and args.target is None and os.path.isdir(DEMO_ASSISTANT):
@@ -184,6 +185,10 @@ def _bench_methods(args, target):
             "hf-specdec bench: nothing to compare with plain generate; pass --drafter (or drop --no-peers)."
         )
     return methods
+
+
+def _asd_options(args) -> dict:
+    return {"budget": args.asd_budget, "gate": args.asd_gate, "block_cap": args.asd_block_cap}
 
 
 def _bench(args) -> int:
@@ -233,6 +238,56 @@ def _bench(args) -> int:
     if bad:
         print(f"ERROR: greedy outputs differ from plain generate for {sorted(set(bad))}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _asd_tune(args) -> int:
+    import json
+
+    from .auto import AutoModelForDrafting
+    from .bench.asd_tune import split_prompts, tune_asd
+    from .bench.prompts import load_prompts
+    from .demo import DEMO_DRAFTER, load_demo_target
+
+    target, tokenizer = load_demo_target() if args.target is None else _load_target(args)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    drafter = AutoModelForDrafting.from_pretrained(args.drafter or DEMO_DRAFTER).eval()
+    drafter.check_target_compatibility(target)
+    prompts = load_prompts(args.prompts, categories=args.categories, max_per_category=args.max_prompts)
+    dev, test = split_prompts(prompts, args.dev_fraction)
+    result = tune_asd(
+        target,
+        tokenizer,
+        drafter,
+        dev,
+        budgets=args.budgets,
+        gates=args.gates,
+        block_caps=args.block_caps,
+        max_logprob_drop=args.max_logprob_drop,
+        max_divergence=args.max_divergence,
+        max_new_tokens=args.max_new_tokens,
+        num_draft_tokens=args.num_draft_tokens,
+    )
+    result["dev_prompt_ids"] = [p.id for p in dev]
+    result["test_prompt_ids"] = [p.id for p in test]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as fh:
+        json.dump(result, fh, indent=1)
+    print(f"{'candidate':<24} {'tau':>6} {'speedup':>8} {'vs strict':>9} {'diverged':>9} {'logp drop':>10}  ok")
+    for row in result["candidates"]:
+        print(
+            f"{row['name']:<24} {row['mean_accepted_length']:>6.2f} {row['speedup']:>7.2f}x "
+            f"{row['speedup_over_strict'] or 0:>8.2f}x {100 * (row['divergence_rate'] or 0):>8.0f}% "
+            f"{row['logprob_drop'] if row['logprob_drop'] is not None else float('nan'):>10.4f}  "
+            f"{'yes' if row['meets_constraint'] else 'no'}"
+        )
+    print(f"strict: tau {result['strict']['mean_accepted_length']:.2f}, speedup {result['strict']['speedup']:.2f}x")
+    if result["recommended"]:
+        print(f"recommended (frozen on {len(dev)} dev prompts): {result['recommended']}")
+    else:
+        print("no candidate meets the quality constraint: keep strict verification")
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -289,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", nargs="+", default=None, help="hf_specdec drafter folders / Hub ids")
     p.add_argument("--num-draft-tokens", type=int, nargs="+", default=None, help="K values to measure per drafter")
     p.add_argument("--verifier", nargs="+", default=None, help="also measure these verifiers (e.g. asd)")
+    p.add_argument("--asd-budget", type=float, default=8.0, help="ASD regret budget B per request")
+    p.add_argument("--asd-gate", type=float, default=0.25, help="ASD local gate g")
+    p.add_argument("--asd-block-cap", type=int, default=2, help="ASD exceptions per verification pass M")
     p.add_argument("--assistant", default=None, help="small assistant model for transformers' assisted generation")
     p.add_argument("--assistant-tokens", type=int, default=None, help="num_assistant_tokens for --assistant")
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt-lookup draft length (0: off)")
@@ -312,6 +370,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-results")
     p.add_argument("--stem", default="bench", help="file name stem of the outputs")
     p.set_defaults(func=_bench)
+
+    p = sub.add_parser(
+        "asd-tune",
+        help="freeze ASD's (budget, gate, block cap) on a dev split: highest tau under a quality constraint",
+    )
+    p.add_argument("--target", default=None, help="target model (default: the demo target)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device-map", default=None)
+    p.add_argument("--drafter", default=None, help="drafter folder / Hub id (default: the demo drafter)")
+    p.add_argument("--prompts", default="demo")
+    p.add_argument("--categories", nargs="+", default=None)
+    p.add_argument("--max-prompts", type=int, default=None)
+    p.add_argument("--dev-fraction", type=float, default=0.5)
+    p.add_argument("--budgets", type=float, nargs="+", default=[2.0, 4.0, 8.0])
+    p.add_argument("--gates", type=float, nargs="+", default=[0.25, 0.5])
+    p.add_argument("--block-caps", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--max-logprob-drop", type=float, default=0.05, help="nats per token vs strict decoding")
+    p.add_argument("--max-divergence", type=float, default=None, help="max share of prompts whose output changes")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--num-draft-tokens", type=int, default=None)
+    p.add_argument("--out", default="asd_tune.json")
+    p.set_defaults(func=_asd_tune)
 
     p = sub.add_parser("regenerate", help="self-distillation: let the target answer the prompts of a JSONL file")
     _add_target_args(p)

@@ -84,6 +84,7 @@ def train_demo_drafter(
     draft_vocab_size: int = 4096,
     regen_tokens: int = 96,
     max_train_files: int = 600,
+    prompts_per_file: int = 1,
     batch_size: int = 8,
     learning_rate: float = 2e-3,
     seed: int = 0,
@@ -104,7 +105,7 @@ def train_demo_drafter(
     train_files = [f for f in files if not is_held_out(os.path.relpath(f, root))]
     rng = random.Random(seed)
     train_files = rng.sample(train_files, min(max_train_files, len(train_files)))
-    prompts = code_prompts(train_files, 1, seed)
+    prompts = code_prompts(train_files, prompts_per_file, seed)
     regen_path = os.path.join(out_dir, "regenerated.jsonl")
     t0 = time.time()
     print(f"[1/2] self-distillation: the target continues {len(prompts)} code prompts", flush=True)

@@ -15,7 +15,14 @@ import math
 import os
 import warnings
 
-__all__ = ["category_table", "format_console_table", "markdown_table", "save_plots", "write_report"]
+__all__ = [
+    "approximate_table",
+    "category_table",
+    "format_console_table",
+    "markdown_table",
+    "save_plots",
+    "write_report",
+]
 
 DASH = "—"
 _COLUMNS = ("Method", "Mode", "Batch", "tokens/s", "Speedup", "τ", "α", "c", "Bound", "Identical")
@@ -59,7 +66,7 @@ def format_console_table(report: dict) -> str:
     Raises:
         ValueError: On a malformed report.
     """
-    records = [r for r in _records(report) if r.get("category", "all") == "all"]
+    records = [r for r in _measured(report) if r.get("category", "all") == "all"]
     rows = [list(_COLUMNS)] + [_row_cells(r) for r in records]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
 
@@ -271,8 +278,50 @@ def _markdown_document(report: dict, records: list[dict], png_name: str) -> str:
         for mode, batch_size in combos:
             parts += [f"## By category ({mode}, batch size {batch_size})", ""]
             parts += [category_table(report, mode=mode, batch_size=batch_size), ""]
+    approx = approximate_table(report)
+    if approx:
+        parts += ["## Approximate verification: quality", "", approx, ""]
+    skipped = [r for r in records if r.get("skipped") and r.get("category", "all") == "all"]
+    if skipped:
+        parts += ["Not run: " + "; ".join(f"{r['method']} ({_mode_label(r)}, batch {r.get('batch_size')}): "
+                                          f"{r['skipped']}" for r in skipped), ""]  # fmt: skip
     parts += [f"![benchmark plot]({png_name})", ""]
     return "\n".join(parts)
+
+
+def approximate_table(report: dict) -> str:
+    """Quality of approximate verifiers (ASD) next to plain decoding, greedy ``"all"`` records only.
+
+    Columns: speedup, τ, the share of prompts whose output differs from plain ``generate`` (Diverged) and the target's
+    mean log-likelihood per generated token of the method's outputs against plain decoding's. Empty string when the
+    report has no approximate method.
+    """
+    records = [r for r in _measured(report) if r.get("category", "all") == "all" and r.get("mode") == "greedy"]
+    plain = {r.get("batch_size"): r for r in records if r.get("kind") == "plain"}
+    approx = [r for r in records if r.get("approximate")]
+    if not approx:
+        return ""
+    lines = [
+        "| Method | Batch | Speedup | τ | Diverged | log p / token | plain log p / token | Δ log p |",
+        "|:---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in approx:
+        base = plain.get(r.get("batch_size"), {})
+        lp, base_lp = r.get("target_logprob"), base.get("target_logprob")
+        delta = lp - base_lp if lp is not None and base_lp is not None else None
+        diverged = r.get("divergence_rate")
+        cells = [
+            str(r.get("method")),
+            str(r.get("batch_size")),
+            _fmt(r.get("speedup"), "{:.2f}×"),
+            _fmt(r.get("mean_accepted_length"), "{:.2f}"),
+            DASH if diverged is None else f"{100 * diverged:.0f}%",
+            _fmt(lp, "{:.3f}"),
+            _fmt(base_lp, "{:.3f}"),
+            _fmt(delta, "{:+.3f}"),
+        ]
+        lines.append("| " + " | ".join(_escape(c) for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def _records(report) -> list[dict]:
@@ -284,8 +333,13 @@ def _records(report) -> list[dict]:
     return records
 
 
+def _measured(report) -> list[dict]:
+    """Records that were run (methods skipped for a setting carry a ``skipped`` reason instead of figures)."""
+    return [r for r in _records(report) if not r.get("skipped")]
+
+
 def _select(report, category: str | None) -> list[dict]:
-    records = _records(report)
+    records = _measured(report)
     if category is None:
         return records
     selected = [r for r in records if r.get("category", "all") == category]

@@ -106,7 +106,11 @@ def drafter_method(
         family = drafter.config.model_type.removesuffix("_drafter")
         source = os.path.basename(str(getattr(drafter, "name_or_path", "") or "").rstrip("/")) or "drafter"
         k = num_draft_tokens or drafter.config.num_draft_tokens
-        name = f"{family}:{source} K={k}" + (f" [{verifier}]" if verifier else "")
+        label = verifier or ""
+        if verifier == "asd" and verifier_options:
+            short = {"budget": "B", "gate": "g", "block_cap": "M"}
+            label += " " + " ".join(f"{short.get(key, key)}={value}" for key, value in verifier_options.items())
+        name = f"{family}:{source} K={k}" + (f" [{label}]" if label else "")
     return BenchMethod(name=name, kind="drafter", model=drafter, generate_kwargs=kwargs, approximate=approximate)
 
 
@@ -207,6 +211,7 @@ class _Run:
     draft_steps: int = 0
     assistant_calls: int = 0
     assistant_s: float = 0.0
+    target_logprob: tuple[float, int] | None = None  # (sum of log-probs, tokens) of the generated tokens
 
 
 def _count_new_tokens(new: torch.Tensor, eos_ids: set[int]) -> int:
@@ -400,6 +405,14 @@ def run_benchmark(
         for counter in assistant_counters.values():
             counter.remove()
 
+    # Quality of approximate methods: the target's log-likelihood of what each method generated (plain included).
+    scored = {plain_name} | {m.name for m in methods if m.approximate}
+    if len(scored) > 1:
+        for (name, temperature, bsz, b_idx), runs in results.items():
+            if name in scored and temperature == 0:
+                ids, mask = make_inputs(batches_of[bsz][b_idx])
+                runs[0].target_logprob = _target_logprob(target, runs[0].sequences, mask, eos_ids, input_device)
+
     records = []
     for temperature, bsz in settings:
         batches = batches_of[bsz]
@@ -409,7 +422,7 @@ def run_benchmark(
             for cat in categories:
                 groups.append((cat, [i for i, b in enumerate(batches) if b[0].category == cat]))
         for cat, idx in groups:
-            plain = _aggregate(results, plain_name, temperature, bsz, idx, None)
+            plain = _aggregate(results, plain_name, temperature, bsz, idx, None, plain_name)
             for method in methods:
                 key = (method.name, temperature, bsz)
                 base = {
@@ -425,7 +438,7 @@ def run_benchmark(
                 if key in skipped:
                     records.append({**base, "skipped": skipped[key]})
                     continue
-                records.append({**base, **_aggregate(results, method.name, temperature, bsz, idx, plain)})
+                records.append({**base, **_aggregate(results, method.name, temperature, bsz, idx, plain, plain_name)})
 
     report_config = {
         "target": str(getattr(target, "name_or_path", "") or type(target).__name__),
@@ -446,6 +459,26 @@ def run_benchmark(
     return {"hardware": hardware_info(device), "config": report_config, "records": records}
 
 
+@torch.no_grad()
+def _target_logprob(target, sequences: torch.Tensor, prompt_mask: torch.Tensor, eos_ids: set[int], device):
+    """Sum of the target's log-probabilities of the generated tokens (up to and including EOS) and their count."""
+    width = prompt_mask.shape[1]
+    new = sequences[:, width:]
+    valid = torch.ones_like(new, dtype=torch.bool)
+    for row, tokens in enumerate(new.tolist()):
+        for i, tok in enumerate(tokens):
+            if tok in eos_ids:
+                valid[row, i + 1 :] = False
+                break
+    mask = torch.cat([prompt_mask.cpu(), valid.long()], dim=1)
+    position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
+    logits = target(
+        input_ids=sequences.to(device), attention_mask=mask.to(device), position_ids=position_ids.to(device)
+    ).logits[:, width - 1 : -1]
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, new.to(logits.device)[..., None]).squeeze(-1)
+    return float(logp.cpu()[valid].sum()), int(valid.sum())
+
+
 def _describe_kwargs(kwargs: dict) -> dict:
     out = {}
     for key, value in kwargs.items():
@@ -455,7 +488,7 @@ def _describe_kwargs(kwargs: dict) -> dict:
     return out
 
 
-def _aggregate(results, name, temperature, bsz, idx, plain: dict | None) -> dict:
+def _aggregate(results, name, temperature, bsz, idx, plain: dict | None, plain_name: str) -> dict:
     runs = [r for i in idx for r in results.get((name, temperature, bsz, i), [])]
     seconds = sum(r.seconds for r in runs)
     tokens = sum(r.new_tokens for r in runs)
@@ -501,16 +534,28 @@ def _aggregate(results, name, temperature, bsz, idx, plain: dict | None) -> dict
         limits.append(math.inf if alpha >= 1.0 else 1.0 / (1.0 - alpha))
     if limits and min(limits) < math.inf:
         bound = min(limits)
-    identical = None
-    if temperature == 0 and plain is not rec:
-        plain_runs = [r for i in idx for r in results.get(("plain", temperature, bsz, i), [])[:1]]
+    identical = divergence = None
+    if temperature == 0:
+        plain_runs = [r for i in idx for r in results.get((plain_name, temperature, bsz, i), [])[:1]]
         mine = [r for i in idx for r in results.get((name, temperature, bsz, i), [])[:1]]
-        identical = len(plain_runs) == len(mine) and all(
-            a.sequences.shape == b.sequences.shape and torch.equal(a.sequences, b.sequences)
-            for a, b in zip(plain_runs, mine)
-        )
-    elif temperature == 0:
-        identical = True
+        rows = differ = 0
+        for a, b in zip(plain_runs, mine):
+            rows += a.sequences.shape[0]
+            if a.sequences.shape != b.sequences.shape:
+                width = min(a.sequences.shape[1], b.sequences.shape[1])
+                same = (a.sequences[:, :width] == b.sequences[:, :width]).all(dim=1)
+                same &= a.sequences.shape[1] == b.sequences.shape[1]
+            else:
+                same = (a.sequences == b.sequences).all(dim=1)
+            differ += int((~same).sum())
+        identical = differ == 0 and len(plain_runs) == len(mine)
+        divergence = differ / rows if rows else None
+    logprobs = [r.target_logprob for i in idx for r in results.get((name, temperature, bsz, i), [])[:1]]
+    logprob = None
+    if logprobs and all(x is not None for x in logprobs):
+        total = sum(x[0] for x in logprobs)
+        count = sum(x[1] for x in logprobs)
+        logprob = total / count if count else None
     rec.update(
         mean_accepted_length=_round(tau),
         acceptance_by_position=[_round(x) for x in by_position] if by_position else None,
@@ -518,8 +563,9 @@ def _aggregate(results, name, temperature, bsz, idx, plain: dict | None) -> dict
         draft_cost_ratio=_round(cost),
         speedup_bound=_round(bound),
         identical=identical,
+        divergence_rate=_round(divergence),
+        target_logprob=_round(logprob),
     )
-    rec.pop("step_s", None) if plain is not rec else None
     return rec
 
 

@@ -72,6 +72,7 @@ def _route(self, original, bound: inspect.BoundArguments):
     args["assistant_model"] = None
     args["custom_generate"] = speculative_generate
     kwargs["drafter"] = drafter
+    _move_verifier_options(kwargs)
     if "num_assistant_tokens" in kwargs:
         kwargs["num_draft_tokens"] = kwargs.pop("num_assistant_tokens")
     streamer = args.pop("streamer", None)
@@ -79,6 +80,22 @@ def _route(self, original, bound: inspect.BoundArguments):
         kwargs["spec_streamer"] = streamer
     args.pop("self", None)
     return original(self, **args, **kwargs)
+
+
+def _move_verifier_options(kwargs: dict) -> None:
+    """``asd_budget=...`` and friends are verifier options, not model inputs: move them into ``verifier_options``."""
+    from ..verification import ASD_OPTION_NAMES
+
+    given = {key: kwargs.pop(key) for key in list(kwargs) if key in ASD_OPTION_NAMES}
+    if not given:
+        return
+    verifier = kwargs.get("verifier")
+    if verifier != "asd":
+        raise ValueError(f"{sorted(given)} are options of the ASD verifier: pass verifier='asd' as well.")
+    options = dict(kwargs.get("verifier_options") or {})
+    for key, value in given.items():
+        options[ASD_OPTION_NAMES[key]] = value
+    kwargs["verifier_options"] = options
 
 
 def _move_stop_strings(model, args: dict, kwargs: dict) -> None:

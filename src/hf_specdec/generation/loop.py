@@ -184,6 +184,14 @@ def speculative_generate(
     verifier_options = dict(verifier_options or {})
     if verifier is None:
         verifier = getattr(generation_config, "verifier", None)
+    if verifier == "asd":
+        # Frozen ASD settings may live in the generation config (asd_budget, asd_gate, ...); call options win.
+        from ..verification import ASD_OPTION_NAMES
+
+        for key, arg in ASD_OPTION_NAMES.items():
+            value = getattr(generation_config, key, None)
+            if value is not None:
+                verifier_options.setdefault(arg, value)
     ver = get_verifier(verifier, do_sample, **verifier_options)
 
     bsz, prompt_len = input_ids.shape

@@ -1,5 +1,6 @@
 """Verifiers: greedy, lossless speculative sampling, and the registry approximate verifiers plug into."""
 
+from .asd import ASD_OPTION_NAMES, ASDVerifier, asd_accept
 from .base import VERIFIERS, VerificationResult, Verifier, get_verifier, register_verifier
 from .standard import GreedyVerifier, SpeculativeSamplingVerifier, accepted_prefix_length
 
@@ -12,4 +13,7 @@ __all__ = [
     "GreedyVerifier",
     "SpeculativeSamplingVerifier",
     "accepted_prefix_length",
+    "ASDVerifier",
+    "asd_accept",
+    "ASD_OPTION_NAMES",
 ]

@@ -1,0 +1,158 @@
+"""Approximate Speculative Decoding: the acceptance rule, the ledger, strictness at B = 0, options and errors."""
+
+import pytest
+import torch
+from helpers import make_oracle, make_target, ragged_batch
+
+from hf_specdec import AutoModelForDrafting, Eagle3Config, Proposal
+from hf_specdec.verification import ASDVerifier, asd_accept, get_verifier
+
+V = 8
+
+
+def _scores(rows):
+    """(1, L + 1, V) scores where row i has its argmax at rows[i][0] and the draft token scored rows[i][1] below."""
+    out = torch.zeros(1, len(rows), V)
+    for i, (best, other, gap) in enumerate(rows):
+        out[0, i, best] = 5.0
+        if other is not None:
+            out[0, i, other] = 5.0 - gap
+    return out
+
+
+def test_cheap_mismatch_unlocks_the_suffix():
+    # Draft 1 2 3 4; the target prefers 7 at position 1 by 0.5 logits; positions 2, 3 match; bonus 6.
+    draft = torch.tensor([[1, 2, 3, 4]])
+    scores = _scores([(1, None, 0), (7, 2, 0.5), (3, None, 0), (4, None, 0), (6, None, 0)])
+    n, tokens, stats = asd_accept(draft, scores, torch.tensor([8.0]), gate=0.25, block_cap=2)
+    assert n.tolist() == [4] and tokens.tolist() == [[1, 2, 3, 4, 6]]
+    assert stats["exceptions"].tolist() == [1] and stats["gained"].tolist() == [3]
+    assert stats["regret"].tolist() == pytest.approx([0.5])
+    # Strict greedy would stop at position 1 and commit the target's 7 instead.
+    strict = get_verifier("greedy", False).verify(Proposal(tokens=draft), scores)
+    assert strict.num_accepted.tolist() == [1] and strict.tokens[0, :2].tolist() == [1, 7]
+
+
+def test_gate_cap_budget_and_margin():
+    draft = torch.tensor([[1, 2, 3, 4]])
+    scores = _scores([(1, None, 0), (7, 2, 0.5), (7, 3, 0.2), (4, None, 0), (6, None, 0)])
+    # Gate: regret 0.5 over 3 remaining positions is 0.167 <= 0.25 but not <= 0.1.
+    assert asd_accept(draft, scores, torch.tensor([8.0]), gate=0.1, block_cap=2)[0].tolist() == [1]
+    # Two exceptions: the cap M = 1 stops before the second one.
+    assert asd_accept(draft, scores, torch.tensor([8.0]), gate=0.25, block_cap=1)[0].tolist() == [2]
+    assert asd_accept(draft, scores, torch.tensor([8.0]), gate=0.25, block_cap=2)[0].tolist() == [4]
+    # Budget: 0.6 left covers the first exception (0.5) but not both (0.7).
+    assert asd_accept(draft, scores, torch.tensor([0.6]), gate=0.25, block_cap=2)[0].tolist() == [2]
+    # q normalised by K: the gate sees 0.5 / (3/4) = 0.67.
+    assert asd_accept(draft, scores, torch.tensor([8.0]), 0.25, 2, normalize_remaining=True)[0].tolist() == [1]
+    # DeepSeek margin: C_i - r_i < R must hold too; with R = 0.7 exactly, C_2 - r_2 = 0.5 < 0.7 passes...
+    assert asd_accept(draft, scores, torch.tensor([0.7]), 0.25, 2, strict_margin=True)[0].tolist() == [4]
+    # ...and with R = 0.5, C_1 - r_1 = 0 < 0.5 passes but C_1 = 0.5 <= 0.5 too; the second needs C_2 = 0.7 > 0.5.
+    assert asd_accept(draft, scores, torch.tensor([0.5]), 0.25, 2, strict_margin=True)[0].tolist() == [2]
+
+
+def test_rows_are_independent_and_ledger_persists():
+    verifier = ASDVerifier(budget=1.0, gate=0.5, block_cap=2)
+    verifier.start(2, torch.device("cpu"), False, None)
+    draft = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4]])
+    cheap = _scores([(1, None, 0), (7, 2, 0.6), (3, None, 0), (4, None, 0), (6, None, 0)])
+    exact = _scores([(1, None, 0), (2, None, 0), (3, None, 0), (4, None, 0), (6, None, 0)])
+    scores = torch.cat([cheap, exact])
+    first = verifier.verify(Proposal(tokens=draft), scores)
+    assert first.num_accepted.tolist() == [4, 4]
+    assert verifier.ledger.tolist() == pytest.approx([0.6, 0.0])
+    # The same 0.6 mismatch again: row 0 has 0.4 left and must stop; row 1 (nothing spent) accepts it.
+    second = verifier.verify(Proposal(tokens=draft), torch.cat([cheap, cheap]))
+    assert second.num_accepted.tolist() == [1, 4]
+    assert second.stats["gained"].tolist() == [0, 3]
+    # A new request resets the ledger.
+    verifier.start(2, torch.device("cpu"), False, None)
+    assert verifier.ledger.tolist() == [0.0, 0.0]
+
+
+def test_asd_in_generate_spends_within_budget_and_gains():
+    target = make_target("llama", seed=1)
+    ids, mask = ragged_batch(3, seed=4)
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False)
+    ref = target.generate(ids, **kwargs)
+    # A drafter that replays the target's output with 30% of its tokens corrupted.
+    oracle = make_oracle(target, ref[:, ids.shape[1] :], corruption=0.3, seed=1, num_draft_tokens=4)
+    strict = target.generate(ids, assistant_model=oracle, return_dict_in_generate=True, **kwargs)
+    approx = target.generate(ids, assistant_model=oracle, verifier="asd", asd_budget=3.0, asd_gate=10.0,
+                             asd_block_cap=2, return_dict_in_generate=True, **kwargs)  # fmt: skip
+    assert torch.equal(strict.sequences, ref) and strict.approximate is False
+    assert approx.approximate is True and approx.verifier == "asd"
+    stats = approx.verifier_stats
+    assert set(stats) == {"regret", "exceptions", "gained"}
+    assert (stats["regret"] <= 3.0 + 1e-5).all()  # the per-request budget bounds the regret spent
+    assert int(stats["exceptions"].sum()) > 0 and int(stats["gained"].sum()) >= int(stats["exceptions"].sum())
+
+
+def test_generation_config_holds_frozen_settings():
+    target = make_target("llama", seed=1)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config)).eval()
+    ids, mask = ragged_batch(2, seed=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False)
+    ref = target.generate(ids, **kwargs)
+    target.generation_config.verifier = "asd"
+    target.generation_config.asd_budget = 0.0
+    out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    assert out.verifier == "asd" and torch.equal(out.sequences, ref)
+    target.generation_config.asd_budget = 50.0
+    target.generation_config.asd_gate = 50.0
+    loose = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    assert float(loose.verifier_stats["regret"].sum()) > 0  # the config's budget was used
+    # An explicit call option wins over the config.
+    again = target.generate(ids, assistant_model=drafter, asd_budget=0.0, verifier="asd", **kwargs)
+    assert torch.equal(again, ref)
+
+
+def test_bad_options_fail_early():
+    for bad in ({"budget": -1.0}, {"gate": -0.1}, {"block_cap": -1}, {"block_cap": 1.5}, {"budget": float("nan")}):
+        with pytest.raises(ValueError, match="ASD"):
+            ASDVerifier(**bad)
+    target = make_target("llama")
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config)).eval()
+    ids, mask = ragged_batch(1)
+    with pytest.raises(ValueError, match="greedy-only"):
+        target.generate(ids, assistant_model=drafter, verifier="asd", do_sample=True, max_new_tokens=4)
+    with pytest.raises(ValueError, match="verifier='asd'"):
+        target.generate(ids, assistant_model=drafter, asd_budget=2.0, max_new_tokens=4)
+    with pytest.raises(NotImplementedError, match="tree"):
+        verifier = ASDVerifier()
+        verifier.start(1, torch.device("cpu"), False, None)
+        verifier.verify(Proposal(tokens=torch.tensor([[1, 2]]), kind="tree", parents=torch.tensor([-1, 0])),
+                        torch.zeros(1, 3, V))  # fmt: skip
+
+
+def test_tune_asd_freezes_the_best_setting_under_the_constraint():
+    from helpers import char_tokenizer
+
+    from hf_specdec.bench.asd_tune import split_prompts, tune_asd
+    from hf_specdec.bench.prompts import PromptItem
+
+    target, tok = make_target(seed=1), char_tokenizer()
+    item = PromptItem(id="x", category="default", text="abcdefgh")
+    ids = tok(item.text, return_tensors="pt").input_ids
+    ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+    oracle = make_oracle(target, ref[:, ids.shape[1] :], corruption=0.3, seed=1, num_draft_tokens=4)
+    grid = dict(budgets=(0.0, 50.0), gates=(50.0,), block_caps=(2,), max_new_tokens=20, progress=False)
+    loose = tune_asd(target, tok, oracle, [item], max_logprob_drop=10.0, **grid)
+    by_name = {row["name"]: row for row in loose["candidates"]}
+    strict_row, loose_row = by_name["asd B=0.0 g=50.0 M=2"], by_name["asd B=50.0 g=50.0 M=2"]
+    assert strict_row["divergence_rate"] == 0.0 and strict_row["logprob_drop"] == 0.0
+    assert loose_row["mean_accepted_length"] > strict_row["mean_accepted_length"]
+    assert loose["recommended"] == {"asd_budget": 50.0, "asd_gate": 50.0, "asd_block_cap": 2}
+    # A constraint the loose setting violates (it changes the output and lowers the likelihood) freezes B = 0.
+    assert loose_row["logprob_drop"] > 0
+    tight = tune_asd(target, tok, oracle, [item], max_logprob_drop=0.0, **grid)
+    assert tight["recommended"]["asd_budget"] == 0.0
+    with pytest.raises(ValueError, match="max_logprob_drop"):
+        tune_asd(target, tok, oracle, [item], max_logprob_drop=-1.0, **grid)
+
+    prompts = [PromptItem(id=str(i), category="c", text="ab") for i in range(20)]
+    dev, test = split_prompts(prompts)
+    assert dev and test and len(dev) + len(test) == 20
+    assert split_prompts(prompts) == (dev, test)  # deterministic
+    with pytest.raises(ValueError, match="dev_fraction"):
+        split_prompts(prompts, 1.5)
