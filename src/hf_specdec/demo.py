@@ -207,6 +207,8 @@ def run_demo(
         "alpha": spec["alpha"],
         "draft_cost_ratio": spec["draft_cost_ratio"],
         "speedup_bound": spec["speedup_bound"],
+        "verify_cost_ratio": spec["verify_cost_ratio"],
+        "predicted_speedup": spec["predicted_speedup"],
         "num_draft_tokens": k,
         "num_prompts": len(prompts),
         "max_new_tokens": max_new_tokens,

@@ -20,6 +20,9 @@ Metrics per method, decoding mode, batch size and category (see :func:`run_bench
   over plain target forward passes, same run);
 * ``speedup_bound``: ``min(1/c, 1/(1-α))``; drafting costs at least ``c`` target steps per token, and a pass cannot
   commit more than ``1/(1-α)`` tokens on average however long the draft;
+* ``verify_cost_ratio`` v: one verification pass (``K + 1`` tokens) over one plain decoding step, and
+  ``predicted_speedup`` = τ / (v + drafting time per pass in plain steps): what the measured τ, v and c imply, the
+  loop's own bookkeeping excluded (hf_specdec drafters);
 * ``identical``: greedy outputs are token-identical to plain ``generate`` (``None`` for sampling).
 """
 
@@ -209,6 +212,8 @@ class _Run:
     drafted: list[int] = field(default_factory=list)
     draft_s: float = 0.0
     draft_steps: int = 0
+    verify_target_s: float = 0.0  # target time in verification passes
+    passes: int = 0
     assistant_calls: int = 0
     assistant_s: float = 0.0
     target_logprob: tuple[float, int] | None = None  # (sum of log-probs, tokens) of the generated tokens
@@ -235,8 +240,9 @@ def _eos_ids(target) -> set[int]:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
+    from ..generation.loop import synchronize
+
+    synchronize(device)
 
 
 def _batches(prompts: list[PromptItem], batch_size: int) -> list[list[PromptItem]]:
@@ -366,6 +372,8 @@ def run_benchmark(
                 run.drafted.extend(draft_row)
             run.draft_s = out.timings["draft_s"]
             run.draft_steps = out.timings["draft_steps"]
+            run.verify_target_s = out.timings["target_s"]
+            run.passes = out.timings["passes"]
         if counter is not None:
             run.assistant_calls, run.assistant_s = counter.calls, counter.seconds
         return run
@@ -511,7 +519,7 @@ def _aggregate(results, name, temperature, bsz, idx, plain: dict | None, plain_n
     step_s = plain.get("step_s")
     accepted = [a for r in runs for a in r.accepted]
     drafted = [d for r in runs for d in r.drafted]
-    tau = alpha = cost = None
+    tau = alpha = cost = verify_cost = predicted = None
     by_position = None
     if runs and runs[0].accepted or accepted:
         tau = sum(accepted) / len(accepted)
@@ -519,6 +527,11 @@ def _aggregate(results, name, temperature, bsz, idx, plain: dict | None, plain_n
         steps = sum(r.draft_steps for r in runs)
         if steps and step_s:
             cost = sum(r.draft_s for r in runs) / steps / step_s
+        passes = sum(r.passes for r in runs)
+        if passes and step_s:
+            verify_cost = sum(r.verify_target_s for r in runs) / passes / step_s
+            per_pass = (sum(r.verify_target_s for r in runs) + sum(r.draft_s for r in runs)) / passes / step_s
+            predicted = tau / per_pass if per_pass > 0 else None
     elif forwards:
         tau = tokens / forwards if name != "plain" else 1.0
         calls = sum(r.assistant_calls for r in runs)
@@ -562,6 +575,8 @@ def _aggregate(results, name, temperature, bsz, idx, plain: dict | None, plain_n
         alpha=_round(alpha),
         draft_cost_ratio=_round(cost),
         speedup_bound=_round(bound),
+        verify_cost_ratio=_round(verify_cost),
+        predicted_speedup=_round(predicted),
         identical=identical,
         divergence_rate=_round(divergence),
         target_logprob=_round(logprob),

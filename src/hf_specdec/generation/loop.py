@@ -68,6 +68,19 @@ class _DraftSelector:
         return tokens, probs
 
 
+def synchronize(device: torch.device) -> None:
+    """Waits for the accelerator behind ``device`` (no-op on CPU), for honest wall-clock timings."""
+    if device.type == "cpu":
+        return
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return
+    backend = getattr(torch, device.type, None)
+    fn = getattr(backend, "synchronize", None)
+    if callable(fn):
+        fn()
+
+
 def _validate(model, drafter, generation_config, model_kwargs) -> None:
     from ..modeling_utils import DrafterPreTrainedModel  # deferred: modeling_utils imports this package
 
@@ -264,7 +277,7 @@ def speculative_generate(
 
     def clock() -> float:
         if sync:
-            torch.accelerator.synchronize(work)
+            synchronize(work)
         return time.perf_counter()
 
     t_start = clock()
