@@ -156,3 +156,20 @@ def test_tune_asd_freezes_the_best_setting_under_the_constraint():
     assert split_prompts(prompts) == (dev, test)  # deterministic
     with pytest.raises(ValueError, match="dev_fraction"):
         split_prompts(prompts, 1.5)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_zero_budget_is_strict_with_a_frequently_wrong_drafter(batch):
+    """B = 0 must reject every mismatch even when the drafter is wrong often (oracle with 40% corruption)."""
+    target = make_target("qwen2", seed=2)
+    ids, mask = ragged_batch(batch, seed=6)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False)
+    ref = target.generate(ids, **kwargs)
+    oracle = make_oracle(target, ref[:, ids.shape[1] :], corruption=0.4, seed=3, num_draft_tokens=5)
+    out = target.generate(ids, assistant_model=oracle, verifier="asd", asd_budget=0.0, asd_gate=100.0,
+                          asd_block_cap=5, return_dict_in_generate=True, **kwargs)  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    assert int(out.verifier_stats["exceptions"].sum()) == 0
+    loose = target.generate(ids, assistant_model=oracle, verifier="asd", asd_budget=100.0, asd_gate=100.0,
+                            asd_block_cap=5, return_dict_in_generate=True, **kwargs)  # fmt: skip
+    assert int(loose.verifier_stats["exceptions"].sum()) > 0  # the same drafter does trigger exceptions
