@@ -291,6 +291,34 @@ def _asd_tune(args) -> int:
     return 0
 
 
+def _convert(args) -> int:
+    from .convert import LAYOUTS, export_drafter, import_drafter
+
+    if args.list:
+        for name, layout in sorted(LAYOUTS.items()):
+            modes = "/".join(m for m, f in (("import", layout.load), ("export", layout.save)) if f)
+            print(f"{name:<18} {layout.family:<16} {modes:<14} {layout.description}")
+        return 0
+    if not args.src or not args.out:
+        raise SystemExit("hf-specdec convert: give SRC and OUT (or --list).")
+    if args.to:
+        from .auto import AutoModelForDrafting
+
+        drafter = AutoModelForDrafting.from_pretrained(args.src)
+        export_drafter(drafter, args.out, args.to)
+        print(f"wrote {args.out} in the {args.to!r} layout")
+        return 0
+    target_config = None
+    if args.target:
+        from transformers import AutoConfig
+
+        target_config = AutoConfig.from_pretrained(args.target)
+    drafter = import_drafter(args.src, args.from_layout, target_config, args.target_num_layers)
+    drafter.save_pretrained(args.out)
+    print(f"imported {args.src} ({drafter.config.model_type}) -> {args.out}; load it with AutoModelForDrafting")
+    return 0
+
+
 def _add_target_args(p) -> None:
     p.add_argument("--target", required=True, help="target model: local folder or Hub id")
     p.add_argument("--dtype", default="auto", help="target dtype: auto, float32, bfloat16, float16")
@@ -392,6 +420,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--out", default="asd_tune.json")
     p.set_defaults(func=_asd_tune)
+
+    p = sub.add_parser(
+        "convert",
+        help="import a drafter written by another project (EAGLE-3: SafeAILab EAGLE, SpecForge, ModelOpt, vLLM) or "
+        "export one to their layouts (vLLM, SGLang)",
+    )
+    p.add_argument("src", nargs="?", help="source checkpoint folder")
+    p.add_argument("out", nargs="?", help="output folder")
+    p.add_argument("--from", dest="from_layout", default="auto", help="source layout (default: detect)")
+    p.add_argument("--to", default=None, help="export an hf_specdec drafter to this layout instead")
+    p.add_argument("--target", default=None, help="the target (its config gives depth, width and vocabulary)")
+    p.add_argument("--target-num-layers", type=int, default=None, help="the target's depth, without --target")
+    p.add_argument("--list", action="store_true", help="list the known layouts")
+    p.set_defaults(func=_convert)
 
     p = sub.add_parser("regenerate", help="self-distillation: let the target answer the prompts of a JSONL file")
     _add_target_args(p)
