@@ -168,6 +168,18 @@ def test_modelopt_and_vllm_layouts_import_to_the_same_drafter(tmp_path):
         assert back.config.target_layer_ids == base.config.target_layer_ids
 
 
+def test_older_eagle_config_and_checkpoint_without_embeddings(tmp_path):
+    """Older EAGLE releases write architectures ["LlamaForCausalLM"]; embed_tokens may be absent."""
+    target = make_target("llama", layers=6)
+    tensors, config = _source_checkpoint(target, seed=5)
+    del tensors["embed_tokens.weight"]
+    src = _write(tmp_path / "old", tensors, dict(config, architectures=["LlamaForCausalLM"]))
+    assert detect_layout(src) == "eagle3"
+    drafter = import_drafter(src, target_config=target.config)
+    assert torch.equal(drafter.lm_head.weight, tensors["lm_head.weight"])
+    assert torch.equal(drafter.d2t, tensors["d2t"]) and torch.equal(drafter.t2d, tensors["t2d"])
+
+
 def test_bad_checkpoints_fail_early(tmp_path):
     target = make_target("llama", layers=6)
     tensors, config = _source_checkpoint(target)

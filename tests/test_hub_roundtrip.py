@@ -1,68 +1,95 @@
-"""push_to_hub writes the same files save_pretrained does (weights + config, no target weights), and what it uploads
-loads back with AutoModelForDrafting. The Hub API is replaced by an in-process recorder (no network)."""
+"""Publishing end to end against a local Hub-compatible HTTP endpoint: the real huggingface_hub client uploads the
+drafter and its generated card, and AutoModelForDrafting.from_pretrained downloads it and generates (no network)."""
 
-import os
+import json
 
+import pytest
 import torch
-import transformers.utils.hub as tf_hub
 from helpers import make_target, ragged_batch
+from huggingface_hub import ModelCard, constants
+from local_hub import LocalHub
+from safetensors.torch import load
 
 from hf_specdec import AutoModelForDrafting, Eagle3Config
+from hf_specdec.cards import drafter_card, push_drafter
 
 
-class RecordingApi:
-    def __init__(self):
-        self.repos, self.files = [], {}
-
-    def create_repo(self, repo_id, private=None, token=None, exist_ok=False, **kwargs):
-        self.repos.append((repo_id, private))
-        return type("Repo", (), {"repo_id": repo_id})()
-
-    def create_commit(self, repo_id, operations, commit_message=None, **kwargs):
-        for op in operations:
-            src = op.path_or_fileobj
-            if isinstance(src, (str, os.PathLike)):
-                with open(src, "rb") as fh:
-                    data = fh.read()
-            elif isinstance(src, bytes):
-                data = src
-            else:
-                data = src.read()
-            self.files[op.path_in_repo] = data
-        self.message = commit_message
-        return "https://example.invalid/commit"
-
-    def __getattr__(self, name):  # anything else would need the network
-        raise AssertionError(f"unexpected Hub call {name}")
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    with LocalHub() as server:
+        monkeypatch.setattr(constants, "ENDPOINT", server.endpoint)
+        monkeypatch.setattr(
+            constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+        )
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+        yield server
+        assert server.unknown == [], f"the client called endpoints the local hub does not implement: {server.unknown}"
 
 
-def test_push_to_hub_uploads_a_loadable_drafter(tmp_path, monkeypatch):
-    api = RecordingApi()
-    monkeypatch.setattr(tf_hub, "hf_api", lambda *a, **k: api)
-    monkeypatch.setattr(tf_hub, "create_and_tag_model_card", lambda *a, **k: _EmptyCard())
+def _bench_report():
+    return {
+        "hardware": {"device": "cpu", "device_name": "test CPU", "torch": torch.__version__},
+        "config": {"target": "tiny"},
+        "records": [
+            {"method": "plain", "kind": "plain", "category": "all", "temperature": 0.0, "batch_size": 1,
+             "mean_accepted_length": 1.0, "speedup": 1.0, "identical": True},
+            {"method": "eagle3 K=4", "kind": "drafter", "category": "all", "temperature": 0.0, "batch_size": 1,
+             "mean_accepted_length": 3.21, "speedup": 1.87, "identical": True},
+        ],
+    }  # fmt: skip
+
+
+def test_push_to_a_local_hub_and_load_back(tmp_path, hub):
     target = make_target("llama")
     torch.manual_seed(0)
     drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config)).eval()
     drafter.bind_target(target)
-    drafter.push_to_hub("org/eagle3-tiny", private=True, commit_message="upload drafter")
-    assert api.repos == [("org/eagle3-tiny", True)]
-    assert {"config.json", "model.safetensors"} <= set(api.files)
-    assert api.message == "upload drafter"
-    out_dir = tmp_path / "downloaded"
-    out_dir.mkdir()
-    for name, data in api.files.items():
-        (out_dir / name).write_bytes(data)
-    loaded = AutoModelForDrafting.from_pretrained(out_dir).eval()
+    info = drafter.push_to_hub("org/eagle3-tiny", private=True, commit_message="upload drafter", token="t",
+                               bench=_bench_report(), base_model="org/tiny-llama")  # fmt: skip
+    assert "org/eagle3-tiny" in info.commit_url
+    repo = hub.repos["org/eagle3-tiny"]
+    files = repo["revisions"]["main"]
+    assert repo["private"] is True and hub.commits[-1]["summary"] == "upload drafter"
+    assert {"config.json", "model.safetensors", "README.md"} <= set(files)
+    assert not any("embed" in k for k in load(files["model.safetensors"]))  # the target's weights are never pushed
+    card = ModelCard(files["README.md"].decode())
+    assert card.data.base_model == "org/tiny-llama" and card.data.library_name == "hf_specdec"
+    assert {"speculative-decoding", "eagle3"} <= set(card.data.tags)
+    assert "| eagle3 K=4 | 0.0 | 1 | 3.21 | 1.87× | yes |" in card.text
+    assert "token-identical" in card.text
+    # Download through the real client and generate.
+    loaded = AutoModelForDrafting.from_pretrained("org/eagle3-tiny").eval()
     ids, mask = ragged_batch(2)
-    a = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=8, do_sample=False)
-    b = target.generate(ids, attention_mask=mask, assistant_model=loaded, max_new_tokens=8, do_sample=False)
-    assert torch.equal(a, b)
-    from safetensors.torch import load
-
-    assert not any("embed" in k for k in load(api.files["model.safetensors"]))
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+    a = target.generate(ids, assistant_model=drafter, **kw)
+    b = target.generate(ids, assistant_model=loaded, **kw)
+    assert torch.equal(a, b) and torch.equal(b, target.generate(ids, **kw))
 
 
-class _EmptyCard:
-    def save(self, path):
-        with open(path, "w") as fh:
-            fh.write("---\nlibrary_name: hf_specdec\n---\n")
+def test_push_command_revisions_and_card_checks(tmp_path, hub):
+    from hf_specdec.cli import main
+
+    target = make_target("llama")
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config))
+    folder = tmp_path / "drafter"
+    drafter.save_pretrained(folder)
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps(_bench_report()))
+    rc = main(["push", str(folder), "org/d", "--revision", "v1", "--commit-message", "v1 weights", "--bench",
+               str(bench), "--base-model", "org/tiny-llama", "--endpoint", hub.endpoint, "--token", "t"])  # fmt: skip
+    assert rc == 0
+    assert "README.md" in hub.repos["org/d"]["revisions"]["v1"] and hub.commits[-1]["revision"] == "v1"
+    # A card in the folder that names another target is refused.
+    (folder / "README.md").write_text("---\nbase_model: org/other-model\n---\n# card\n")
+    with pytest.raises(ValueError, match="org/other-model"):
+        push_drafter(str(folder), "org/d", endpoint=hub.endpoint, token="t", base_model="org/tiny-llama")
+    # The card alone, validated by huggingface_hub's ModelCard parser.
+    out = tmp_path / "README.md"
+    assert main(["push", str(folder), "org/d", "--card-only", str(out), "--base-model", "org/tiny-llama"]) == 0
+    assert ModelCard.load(out).data.pipeline_tag == "text-generation"
+    with pytest.raises(ValueError, match="bench report"):
+        bad = tmp_path / "bad.json"
+        bad.write_text("[]")
+        drafter_card(str(folder), bench=str(bad), base_model="org/tiny-llama")

@@ -319,6 +319,30 @@ def _convert(args) -> int:
     return 0
 
 
+def _push(args) -> int:
+    from .cards import drafter_card, push_drafter
+
+    recommended = None
+    if args.asd_tune:
+        import json
+
+        with open(args.asd_tune, encoding="utf-8") as fh:
+            frozen = json.load(fh).get("recommended")
+        recommended = {"verifier": "asd", **frozen} if frozen else None
+    card_kwargs = dict(bench=args.bench, base_model=args.base_model, license=args.license, datasets=args.datasets,
+                       recommended_settings=recommended)  # fmt: skip
+    if args.card_only:
+        card = drafter_card(args.folder, repo_id=args.repo_id, **card_kwargs)
+        card.save(args.card_only)
+        print(f"wrote {args.card_only}")
+        return 0
+    info = push_drafter(args.folder, args.repo_id, private=args.private, revision=args.revision,
+                        commit_message=args.commit_message, token=args.token, endpoint=args.endpoint,
+                        **card_kwargs)  # fmt: skip
+    print(f"pushed {args.folder} to {args.repo_id}: {getattr(info, 'commit_url', info)}")
+    return 0
+
+
 def _add_target_args(p) -> None:
     p.add_argument("--target", required=True, help="target model: local folder or Hub id")
     p.add_argument("--dtype", default="auto", help="target dtype: auto, float32, bfloat16, float16")
@@ -434,6 +458,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-num-layers", type=int, default=None, help="the target's depth, without --target")
     p.add_argument("--list", action="store_true", help="list the known layouts")
     p.set_defaults(func=_convert)
+
+    p = sub.add_parser("push", help="upload a trained drafter folder with a generated model card to the Hub")
+    p.add_argument("folder", help="drafter folder (loads with AutoModelForDrafting)")
+    p.add_argument("repo_id", help="org/name on the Hub")
+    p.add_argument("--private", action="store_true", default=None)
+    p.add_argument("--revision", default=None, help="branch to push to (created if missing)")
+    p.add_argument("--commit-message", default=None)
+    p.add_argument("--bench", default=None, help="hf-specdec bench JSON for the card's results table")
+    p.add_argument("--asd-tune", default=None, help="hf-specdec asd-tune JSON: recommend its frozen ASD settings")
+    p.add_argument("--base-model", default=None, help="the target's Hub id (default: from the drafter config)")
+    p.add_argument("--license", default="apache-2.0")
+    p.add_argument("--datasets", nargs="+", default=None)
+    p.add_argument("--token", default=None)
+    p.add_argument("--endpoint", default=None, help="Hub endpoint (default: huggingface.co or HF_ENDPOINT)")
+    p.add_argument("--card-only", default=None, metavar="PATH", help="only write the card to PATH, upload nothing")
+    p.set_defaults(func=_push)
 
     p = sub.add_parser("regenerate", help="self-distillation: let the target answer the prompts of a JSONL file")
     _add_target_args(p)

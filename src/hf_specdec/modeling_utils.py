@@ -265,6 +265,48 @@ class DrafterPreTrainedModel(PreTrainedModel):
         ``token_counts`` is a ``(target_vocab_size,)`` count of tokens in the training data. Default: nothing.
         """
 
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        private: bool | None = None,
+        revision: str | None = None,
+        commit_message: str | None = None,
+        token: str | None = None,
+        endpoint: str | None = None,
+        bench: str | dict | None = None,
+        base_model: str | None = None,
+        license: str = "apache-2.0",
+        datasets: list[str] | None = None,
+        **kwargs,
+    ):
+        """Uploads the drafter (weights + config, never the target's) with a generated model card (``README.md``).
+
+        The card (:func:`hf_specdec.cards.drafter_card`) names the target as ``base_model`` (pass it when the
+        config's target name is a local path), and takes its results table from an ``hf-specdec bench`` JSON.
+        """
+        import tempfile
+
+        from .cards import push_drafter
+
+        if kwargs:
+            raise TypeError(f"push_to_hub got unsupported arguments {sorted(kwargs)}.")
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp)
+            return push_drafter(
+                tmp,
+                repo_id,
+                private=private,
+                revision=revision,
+                commit_message=commit_message,
+                token=token,
+                endpoint=endpoint,
+                bench=bench,
+                base_model=base_model,
+                license=license,
+                datasets=datasets,
+            )
+
     def draft_to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Maps draft-vocabulary logits to the target vocabulary (``-inf`` outside the draft vocabulary)."""
         if self.config.draft_vocab_size == self.config.target_vocab_size:

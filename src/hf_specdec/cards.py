@@ -1,0 +1,228 @@
+"""Model cards for drafters, and publishing them to the Hub with their weights.
+
+:func:`drafter_card` renders ``assets/templates/drafter_card.md`` with huggingface_hub's :class:`ModelCard`: YAML
+metadata (``base_model`` = the target, ``library_name``, ``tags`` with ``speculative-decoding`` and the family,
+``datasets``, ``license``, ``pipeline_tag``), a usage snippet, the drafter's facts, training details from
+``training_record.json`` and a results table from an ``hf-specdec bench`` JSON, with the lossless statement or, for
+approximate verifiers, the measured deviation. :func:`push_drafter` uploads a drafter folder plus its card.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+__all__ = ["drafter_card", "push_drafter", "TEMPLATE"]
+
+TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "templates", "drafter_card.md")
+
+_FAMILY_NAMES = {"eagle3": "EAGLE-3"}
+
+
+def _load_bench(bench: str | dict | None) -> dict | None:
+    if bench is None or isinstance(bench, dict):
+        return bench
+    with open(bench, encoding="utf-8") as fh:
+        report = json.load(fh)
+    if not isinstance(report, dict) or not isinstance(report.get("records"), list):
+        raise ValueError(f"{bench} is not an hf-specdec bench report (a JSON object with a 'records' list).")
+    return report
+
+
+def _results_table(report: dict) -> tuple[str, bool]:
+    rows = [
+        r
+        for r in report["records"]
+        if r.get("category", "all") == "all" and r.get("kind") == "drafter" and not r.get("skipped")
+    ]
+    if not rows:
+        raise ValueError("The bench report has no measured drafter records to put in the card.")
+    approximate = any(r.get("approximate") for r in rows)
+    lines = [
+        "| method | temperature | batch | τ | speedup | identical to plain generate |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ident = {True: "yes", False: "no", None: "lossless (sampling)"}[r.get("identical")]
+        if r.get("approximate"):
+            div = r.get("divergence_rate")
+            ident = "approximate" + (f": {100 * div:.0f} % of outputs differ" if div is not None else "")
+        lines.append(
+            f"| {r['method']} | {r.get('temperature', 0)} | {r.get('batch_size')} | "
+            f"{r.get('mean_accepted_length', float('nan')):.2f} | {r.get('speedup', float('nan')):.2f}× | {ident} |"
+        )
+    return "\n".join(lines), approximate
+
+
+def drafter_card(
+    drafter_or_dir,
+    repo_id: str | None = None,
+    bench: str | dict | None = None,
+    base_model: str | None = None,
+    license: str = "apache-2.0",
+    datasets: list[str] | None = None,
+    recommended_settings: dict | None = None,
+    limitations: list[str] | None = None,
+):
+    """Builds a :class:`huggingface_hub.ModelCard` for a drafter (an instance or a saved folder).
+
+    Args:
+        drafter_or_dir: the drafter, or its folder (``training_record.json`` there is used for training details).
+        repo_id: the Hub repository the card is for (usage snippet).
+        bench: an ``hf-specdec bench`` JSON report (path or dict) for the results table.
+        base_model: the target's Hub id; defaults to the drafter config's ``target_model_name_or_path``.
+        license, datasets: card metadata.
+        recommended_settings: e.g. ``{"verifier": "asd", "asd_budget": 8.0}`` frozen by ``hf-specdec asd-tune``.
+        limitations: extra lines for the limitations section.
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from .auto import AutoModelForDrafting
+
+    folder = drafter_or_dir if isinstance(drafter_or_dir, (str, os.PathLike)) else None
+    drafter = AutoModelForDrafting.from_pretrained(folder) if folder is not None else drafter_or_dir
+    cfg = drafter.config
+    target = base_model or cfg.target_model_name_or_path
+    if not target:
+        raise ValueError("The drafter's config does not name its target: pass base_model= (the target's Hub id).")
+    family = cfg.model_type.removesuffix("_drafter")
+    record: dict[str, Any] = {}
+    if folder is not None and os.path.isfile(os.path.join(folder, "training_record.json")):
+        with open(os.path.join(folder, "training_record.json"), encoding="utf-8") as fh:
+            record = json.load(fh)
+        trained_for = (record.get("target") or {}).get("name_or_path")
+        if base_model and trained_for and os.path.basename(trained_for.rstrip("/")) != base_model.split("/")[-1]:
+            raise ValueError(
+                f"The training record says this drafter was trained for {trained_for!r}, but the card would name "
+                f"{base_model!r} as its target. Pass the right base_model."
+            )
+    report = _load_bench(bench)
+    results, approximate = ("", False) if report is None else _results_table(report)
+    own = sum(p.numel() for p in drafter.parameters())
+    facts = [
+        ("family", f"{_FAMILY_NAMES.get(family, family)} (`{type(drafter).__name__}`)"),
+        ("parameters", f"{own / 1e6:.1f} M (target embeddings / LM head borrowed at generation time, not saved)"),
+        (
+            "target",
+            f"`{target}` ({cfg.target_model_type}, {cfg.target_num_hidden_layers} layers, hidden "
+            f"{cfg.target_hidden_size}, vocabulary {cfg.target_vocab_size})",
+        ),  # fmt: skip
+        ("draft tokens per step", str(cfg.num_draft_tokens)),
+    ]
+    if cfg.target_layer_ids is not None:
+        facts.append(("target features", f"`output_hidden_states{list(cfg.target_layer_ids)}`"))
+    if cfg.draft_vocab_size and cfg.draft_vocab_size != cfg.target_vocab_size:
+        facts.append(("draft vocabulary", f"{cfg.draft_vocab_size} of {cfg.target_vocab_size} tokens"))
+    training = []
+    if record:
+        data = record.get("data") or {}
+        training = [
+            (
+                "data",
+                f"{data.get('source', '?')}: {data.get('examples', '?')} examples, {data.get('tokens', '?')} tokens",
+            ),
+            ("steps", str(record.get("steps"))),
+            ("throughput", f"{record.get('tokens_per_second')} tokens/s, peak RSS {record.get('peak_rss_mb')} MB"),
+        ]
+        final = record.get("final_eval") or {}
+        if final:
+            training.append(("held-out", ", ".join(f"{k} {v}" for k, v in final.items())))
+    if approximate:
+        guarantee = (
+            "The results include an **approximate** verifier (ASD): its outputs may differ from the target's own "
+            "greedy decoding; the measured deviation is in the results table. With the default verifiers, greedy "
+            "outputs are token-identical to plain `generate` and sampling is lossless."
+        )
+    else:
+        guarantee = (
+            "Lossless: greedy outputs are token-identical to plain `generate`, and sampling follows the target's "
+            "distribution exactly (rejection sampling)."
+        )
+    tags = ["speculative-decoding", family, "hf_specdec"]
+    card_data = ModelCardData(
+        base_model=target,
+        library_name="hf_specdec",
+        tags=tags,
+        datasets=datasets,
+        license=license,
+        pipeline_tag="text-generation",
+    )
+    recommended = ""
+    if recommended_settings:
+        recommended = ", ".join(f"{k}={v!r}" for k, v in recommended_settings.items())
+    hardware = "—"
+    if report is not None:
+        hw = report.get("hardware") or {}
+        hardware = f"{hw.get('device_name', '?')} ({hw.get('device', '?')}, torch {hw.get('torch', '?')})"
+    link = f"https://huggingface.co/{target}" if target.count("/") == 1 and not os.path.exists(target) else target
+    return ModelCard.from_template(
+        card_data,
+        template_path=TEMPLATE,
+        title=f"{_FAMILY_NAMES.get(family, family)} drafter for {target}",
+        family_name=_FAMILY_NAMES.get(family, family),
+        target=target,
+        target_link=link,
+        repo_id=repo_id or "path/to/this/drafter",
+        num_draft_tokens=cfg.num_draft_tokens,
+        recommended=recommended,
+        guarantee=guarantee,
+        facts=facts,
+        training=training,
+        results=results,
+        hardware=hardware,
+        limitations=limitations or [],
+    )
+
+
+def push_drafter(
+    folder: str,
+    repo_id: str,
+    private: bool | None = None,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    token: str | None = None,
+    endpoint: str | None = None,
+    card: Any = None,
+    **card_kwargs,
+):
+    """Uploads a saved drafter folder and its model card (``README.md``) to ``repo_id``; returns the commit info.
+
+    The folder must load with :class:`~hf_specdec.AutoModelForDrafting`. An existing ``README.md`` in it whose
+    ``base_model`` names a different target than the drafter's config is refused.
+    """
+    from huggingface_hub import HfApi, ModelCard
+
+    from .auto import AutoModelForDrafting
+
+    drafter = AutoModelForDrafting.from_pretrained(folder)
+    existing = os.path.join(folder, "README.md")
+    if card is None and os.path.isfile(existing):
+        old = ModelCard.load(existing)
+        named = getattr(old.data, "base_model", None)
+        expected = card_kwargs.get("base_model") or drafter.config.target_model_name_or_path
+        if named and expected and named != expected:
+            raise ValueError(
+                f"{existing} names {named!r} as the target, but the drafter was made for {expected!r}. Fix the card "
+                "or pass base_model= if the config's target name is a local path."
+            )
+    if card is None:
+        card = drafter_card(folder, repo_id=repo_id, **card_kwargs)
+    api = HfApi(endpoint=endpoint, token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    if revision is not None:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        drafter.save_pretrained(tmp)
+        for extra in ("training_record.json", "evaluation.json"):
+            if os.path.isfile(os.path.join(folder, extra)):
+                with open(os.path.join(folder, extra), "rb") as src, open(os.path.join(tmp, extra), "wb") as dst:
+                    dst.write(src.read())
+        card.save(os.path.join(tmp, "README.md"))
+        return api.upload_folder(
+            repo_id=repo_id,
+            folder_path=tmp,
+            revision=revision,
+            commit_message=commit_message or f"Upload {drafter.config.model_type} drafter with hf_specdec",
+        )
