@@ -187,6 +187,16 @@ def _bench_methods(args, target):
     return methods
 
 
+def _bench_target(args):
+    """``--target`` (default: the demo target) and its tokenizer, with a pad token for batching."""
+    from .demo import load_demo_target
+
+    target, tokenizer = load_demo_target() if args.target is None else _load_target(args)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return target, tokenizer
+
+
 def _asd_options(args) -> dict:
     return {"budget": args.asd_budget, "gate": args.asd_gate, "block_cap": args.asd_block_cap}
 
@@ -197,16 +207,10 @@ def _bench(args) -> int:
     from .bench.prompts import load_prompts
     from .bench.report import category_table, format_console_table, write_report
     from .bench.runner import run_benchmark
-    from .demo import load_demo_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.target is None:
-        target, tokenizer = load_demo_target()
-    else:
-        target, tokenizer = _load_target(args)
-    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
-        tokenizer.pad_token = tokenizer.eos_token
+    target, tokenizer = _bench_target(args)
     methods = _bench_methods(args, target)
     prompts = load_prompts(args.prompts, categories=args.categories, max_per_category=args.max_prompts)
     report = run_benchmark(
@@ -247,11 +251,9 @@ def _asd_tune(args) -> int:
     from .auto import AutoModelForDrafting
     from .bench.asd_tune import split_prompts, tune_asd
     from .bench.prompts import load_prompts
-    from .demo import DEMO_DRAFTER, load_demo_target
+    from .demo import DEMO_DRAFTER
 
-    target, tokenizer = load_demo_target() if args.target is None else _load_target(args)
-    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
-        tokenizer.pad_token = tokenizer.eos_token
+    target, tokenizer = _bench_target(args)
     drafter = AutoModelForDrafting.from_pretrained(args.drafter or DEMO_DRAFTER).eval()
     drafter.check_target_compatibility(target)
     prompts = load_prompts(args.prompts, categories=args.categories, max_per_category=args.max_prompts)
