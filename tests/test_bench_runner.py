@@ -67,8 +67,10 @@ def test_benchmark_drafter_identical_and_metrics_consistent():
         assert 0.0 <= spec["alpha"] <= 1.0 and spec["draft_cost_ratio"] > 0
         expected_bound = min(1 / spec["draft_cost_ratio"], 1 / (1 - spec["alpha"]) if spec["alpha"] < 1 else 1e9)
         assert spec["speedup_bound"] == pytest.approx(expected_bound, rel=1e-3)
-        # tau over the measured cost of a pass (verification + drafting) in plain steps.
-        assert spec["verify_cost_ratio"] > 0 and 0 < spec["predicted_speedup"] < spec["mean_accepted_length"]
+        # tau over the measured cost of a pass (verification + drafting) in plain steps; timings vary from run to
+        # run, so only the identity linking the three figures is checked, never a speed.
+        per_pass = spec["mean_accepted_length"] / spec["predicted_speedup"]
+        assert spec["verify_cost_ratio"] > 0 and per_pass > spec["verify_cost_ratio"]
     # Per-category records partition the prompts.
     cats = _records(report, method="eagle3", batch_size=1)
     assert sorted(r["category"] for r in cats) == ["all", "digits", "letters"]
