@@ -11,7 +11,7 @@ Steps 1-3 are :func:`hf_specdec.demo.train_demo_drafter` (what ``hf-specdec demo
 
 Usage:
     python scripts/train_demo_drafter.py --out runs/demo-drafter
-    cp runs/demo-drafter/drafter/{config.json,model.safetensors,training_record.json} src/hf_specdec/assets/demo-eagle3/
+    cp runs/demo-drafter/drafter/{config.json,model.safetensors,training_record.json} src/hf_specdec/assets/demo-drafter/
 """
 
 from __future__ import annotations

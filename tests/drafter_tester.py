@@ -2,8 +2,11 @@
 
 A family states its config class, model class, small config overrides and capabilities; it inherits every check:
 config round trip, Auto loading, no target weights saved, proposal shapes, greedy identity with plain ``generate``
-across architectures / batch sizes / draft lengths, the sampling distribution, drafter cache equivalence, and clear
-errors for a mismatched target.
+across architectures / batch sizes / draft lengths, the sampling distribution (several draft tokens per pass, full and
+reduced ``d2t`` vocabulary, joint law of adjacent positions, a subtle-bug control that must fail; see
+``sampling_check.py``), drafter cache equivalence, a padded row drafting exactly like the same prompt alone, the
+family's teacher-forced training unroll matching ``observe`` + ``propose`` (hook ``teacher_forced_draft_logits``),
+and clear errors for a mismatched target.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 
 import pytest
 import torch
+from family_checks import FamilyChecksMixin
 from helpers import ARCHS, VOCAB, make_target, ragged_batch
 from safetensors.torch import load_file
 from transformers import AutoConfig
@@ -49,6 +53,32 @@ def prefill_inputs(target, ids, mask, first_token):
     return DraftInputs(next_token_ids=nxt, position_ids=pos, valid=mask.bool(), hidden_states=out.hidden_states)
 
 
+class TeacherForcingSelector(RecordingSelector):
+    """Greedy teacher forcing through the public ``propose``: returns ``forced[:, depth]`` whatever the logits, and
+    records the logits it saw (expanded to the target vocabulary)."""
+
+    def __init__(self, forced: torch.LongTensor, vocab_size=VOCAB):
+        super().__init__(False, vocab_size)
+        self.forced = forced
+
+    def __call__(self, logits, depth, vocab_ids=None):
+        super().__call__(logits, depth, vocab_ids)
+        return self.forced[:, depth].to(logits.device), None
+
+
+def observe_slots(drafter, state, full: DraftInputs, sl: slice) -> None:
+    """Observes the slots ``sl`` of a prefill observation (a verified chunk, as the loop hands them over)."""
+    drafter.observe(
+        state,
+        DraftInputs(
+            next_token_ids=full.next_token_ids[:, sl],
+            position_ids=full.position_ids[:, sl],
+            valid=full.valid[:, sl],
+            hidden_states=None if full.hidden_states is None else tuple(h[:, sl] for h in full.hidden_states),
+        ),
+    )
+
+
 def tv_bound(num_categories: int, num_samples: int, delta: float = 1e-4) -> float:
     """High-probability bound on the total-variation distance between an empirical and the true distribution.
 
@@ -59,13 +89,14 @@ def tv_bound(num_categories: int, num_samples: int, delta: float = 1e-4) -> floa
     return eps / 2
 
 
-class DrafterTesterMixin:
+class DrafterTesterMixin(FamilyChecksMixin):
     config_class = None
     model_class = None
     config_overrides: dict = {}
     proposal_kind = "chain"
     greedy_archs = ARCHS
     draft_lengths = (1, 3, 6)
+    supports_reduced_vocab = True  # draft_vocab_size < target_vocab_size, set through init_from_data (d2t)
 
     # ------------------------------------------------------------------------------------------------ helpers
     def make_config(self, target, **overrides):
@@ -183,6 +214,83 @@ class DrafterTesterMixin:
         for a, b in zip(sel_full.seen, sel_inc.seen):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
+    def test_padded_row_drafts_like_unpadded(self):
+        """A left-padded row of a batch drafts exactly what the same prompt drafts alone, without padding."""
+        target = make_target("llama", seed=1)
+        drafter = self.make_drafter(target, seed=2).bind_target(target)
+        ids, mask = ragged_batch(3, length=12, seed=7)
+        assert int((mask == 0).sum(1).max()) == 4  # rows 1 and 2 are padded
+        first = torch.tensor([21, 22, 23])
+        state = drafter.init_draft_state(3, 64)
+        drafter.observe(state, prefill_inputs(target, ids, mask, first))
+        batched = RecordingSelector()
+        prop = drafter.propose(state, 4, batched)
+        for b in range(3):
+            row = ids[b, mask[b].bool()][None]
+            alone = drafter.init_draft_state(1, 64)
+            drafter.observe(alone, prefill_inputs(target, row, torch.ones_like(row), first[b : b + 1]))
+            single = RecordingSelector()
+            prop_b = drafter.propose(alone, 4, single)
+            assert torch.equal(prop.tokens[b : b + 1], prop_b.tokens), f"row {b}"
+            for depth, (a, c) in enumerate(zip(batched.seen, single.seen)):
+                finite = torch.isfinite(c[0])
+                assert torch.equal(torch.isfinite(a[b]), finite)
+                torch.testing.assert_close(a[b][finite], c[0][finite], rtol=1e-4, atol=1e-4, msg=f"row {b}, {depth}")
+
+    # ------------------------------------------------------------------------------------------------ training
+    def teacher_forced_draft_logits(self, drafter, input_ids, hidden_states, attention_mask, steps):
+        """The family's training unroll: a list over draft depths ``j < steps`` of ``(batch, seq, draft_vocab)``
+        logits, where anchor ``t`` at depth ``j`` predicts token ``t + 2 + j`` having been fed the true tokens up to
+        ``t + 1 + j`` (``hidden_states``: the target's ``output_hidden_states`` over ``input_ids``). Return ``None``
+        (with a reason in the family's test file) only for a family whose training has no such unroll."""
+        raise NotImplementedError(f"{type(self).__name__} must define teacher_forced_draft_logits (or return None)")
+
+    @pytest.mark.parametrize("vocab", ["full", "reduced"])
+    def test_training_unroll_matches_propose(self, vocab):
+        """What training optimises is what inference drafts: the family's teacher-forced training unroll gives, at
+        every anchor and depth, the logits that ``observe`` + the public ``propose`` give with a selector forcing
+        the true tokens. Batch of 3 with left padding (rows with 0, 2 and 4 pads); anchors observed one slot at a
+        time, with the speculative work of each proposal discarded by the next ``observe``."""
+        if vocab == "reduced" and not self.supports_reduced_vocab:
+            pytest.skip(f"{self.model_class.__name__} declares no reduced draft vocabulary")
+        steps = 3
+        target = make_target("llama", seed=1)
+        cfg = {"draft_vocab_size": 40} if vocab == "reduced" else {}
+        drafter = self.make_drafter(target, seed=2, **cfg).bind_target(target)
+        if vocab == "reduced":
+            counts = torch.zeros(VOCAB)
+            counts[torch.arange(6, VOCAB, 2)[:40]] = 1.0  # even ids from 6: a non-trivial d2t
+            drafter.init_from_data(counts)
+            assert not torch.equal(drafter.draft_token_ids.cpu(), torch.arange(40))
+        ids, mask = ragged_batch(3, length=14, seed=8)
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        with torch.no_grad():
+            out = target(input_ids=ids, attention_mask=mask, position_ids=pos, output_hidden_states=True)
+            unroll = self.teacher_forced_draft_logits(drafter, ids, out.hidden_states, mask, steps)
+        if unroll is None:
+            pytest.skip(f"{self.model_class.__name__} has no teacher-forced training unroll")
+        assert len(unroll) == steps
+        full = prefill_inputs(target, ids, mask, torch.zeros(3, dtype=torch.long))  # last slot is never used
+        vocab_ids = drafter.draft_token_ids
+        state = drafter.init_draft_state(3, 64)
+        seq = ids.shape[1]
+        compared = 0
+        observe_slots(drafter, state, full, slice(0, 1))
+        for anchor in range(seq - steps):
+            if anchor > 0:
+                observe_slots(drafter, state, full, slice(anchor, anchor + 1))
+            forced = ids[:, anchor + 2 : anchor + 1 + steps]  # true tokens fed after depths 0..steps-2
+            forced = torch.cat([forced, forced[:, -1:]], dim=1)  # the last depth's choice is not fed back
+            sel = TeacherForcingSelector(forced)
+            drafter.propose(state, steps, sel)
+            rows = mask[:, anchor].bool()  # anchors on padding are not trained
+            for depth in range(steps):
+                got = sel.seen[depth][rows][:, vocab_ids]
+                want = unroll[depth][rows, anchor].float()
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"anchor {anchor}, depth {depth}")
+            compared += int(rows.sum())
+        assert compared == int(mask[:, : seq - steps].sum())
+
     # ------------------------------------------------------------------------------------------------ generation
     @pytest.mark.parametrize("batch", [1, 3])
     @pytest.mark.parametrize("arch", ARCHS)
@@ -237,11 +345,17 @@ class DrafterTesterMixin:
         )
         assert torch.equal(out, ref)
 
-    def test_sampling_distribution(self):
-        """Lossless sampling: the law of generated tokens matches the target's, even with a poor drafter."""
+    @pytest.mark.parametrize("vocab", ["full", "reduced"])
+    def test_sampling_distribution(self, vocab):
+        """Lossless sampling: the law of generated tokens matches the target's (every position, and the joint law of
+        adjacent positions), with K = 3 tokens drafted per pass, for the full and a reduced (``d2t``) draft
+        vocabulary; the same test rejects a verifier that samples from p instead of the residual after a rejection.
+        See ``sampling_check.py`` for the settings, the power and the false-failure probability."""
         from sampling_check import check_sampling_matches_target
 
-        check_sampling_matches_target(self.make_drafter, num_samples=3000)
+        if vocab == "reduced" and not self.supports_reduced_vocab:
+            pytest.skip(f"{self.model_class.__name__} declares no reduced draft vocabulary")
+        check_sampling_matches_target(self.make_drafter, reduced_vocab=vocab == "reduced")
 
     def test_mismatched_target_raises(self):
         target = make_target("llama")

@@ -118,11 +118,6 @@ def test_bad_options_fail_early():
         target.generate(ids, assistant_model=drafter, verifier="asd", do_sample=True, max_new_tokens=4)
     with pytest.raises(ValueError, match="verifier='asd'"):
         target.generate(ids, assistant_model=drafter, asd_budget=2.0, max_new_tokens=4)
-    with pytest.raises(NotImplementedError, match="tree"):
-        verifier = ASDVerifier()
-        verifier.start(1, torch.device("cpu"), False, None)
-        verifier.verify(Proposal(tokens=torch.tensor([[1, 2]]), kind="tree", parents=torch.tensor([-1, 0])),
-                        torch.zeros(1, 3, V))  # fmt: skip
 
 
 def test_tune_asd_freezes_the_best_setting_under_the_constraint():

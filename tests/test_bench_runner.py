@@ -148,7 +148,9 @@ def test_bench_and_demo_commands(tmp_path):
     report = json.loads((out / "bench.json").read_text())
     methods = {r["method"] for r in report["records"]}
     assert (
-        "plain" in methods and any(m.startswith("eagle3:demo-eagle3") for m in methods) and "prompt-lookup:4" in methods
+        "plain" in methods
+        and any(m.startswith("eagle3:demo-drafter") for m in methods)
+        and "prompt-lookup:4" in methods
     )
     for rec in report["records"]:
         for key in ("method", "tokens_per_s", "speedup", "mean_accepted_length", "identical"):

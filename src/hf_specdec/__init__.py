@@ -5,19 +5,22 @@ installs the narrow ``generate`` hook (see :mod:`hf_specdec.generation.hook`) so
 ``target.generate(..., assistant_model=drafter)`` runs hf_specdec's loop for hf_specdec drafters only.
 """
 
+from . import cards as _cards  # noqa: F401  (registers the publisher behind DrafterPreTrainedModel.push_to_hub)
+from . import models
 from .auto import AutoModelForDrafting
 from .configuration_utils import DrafterConfig
 from .generation import (
     DraftInputs,
     Proposal,
     SpeculativeDecoderOnlyOutput,
+    VerificationFeedback,
     install_generate_hook,
     is_generate_hook_installed,
     speculative_generate,
     uninstall_generate_hook,
 )
 from .modeling_utils import DrafterPreTrainedModel
-from .models import Eagle3Config, Eagle3ForDrafting
+from .models import *  # noqa: F403  (each family's public classes; see models.__all__)
 from .registry import DRAFTERS, DrafterSpec, get_drafter_spec, register_drafter
 from .verification import VerificationResult, Verifier, get_verifier, register_verifier
 
@@ -29,12 +32,11 @@ __all__ = [
     "AutoModelForDrafting",
     "DrafterConfig",
     "DrafterPreTrainedModel",
-    "Eagle3Config",
-    "Eagle3ForDrafting",
     "speculative_generate",
     "SpeculativeDecoderOnlyOutput",
     "Proposal",
     "DraftInputs",
+    "VerificationFeedback",
     "Verifier",
     "VerificationResult",
     "get_verifier",
@@ -47,4 +49,5 @@ __all__ = [
     "uninstall_generate_hook",
     "is_generate_hook_installed",
     "__version__",
+    *(name for name in models.__all__ if name[:1].isupper()),
 ]

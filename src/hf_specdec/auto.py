@@ -16,13 +16,14 @@ class AutoModelForDrafting(_BaseAutoModelClass):
 
     Works like every transformers Auto class:
 
-    >>> drafter = AutoModelForDrafting.from_pretrained("org/eagle3-llama3-8b")  # Hub id or local folder
-    >>> drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config))
+    >>> drafter = AutoModelForDrafting.from_pretrained("org/my-drafter")  # Hub id or local folder
+    >>> drafter = AutoModelForDrafting.from_config(MyDrafterConfig.for_target(target.config))
     >>> AutoModelForDrafting.register(MyDrafterConfig, MyDrafter)  # third-party families
 
-    A local folder written by another project in a registered layout (EAGLE-3 from SafeAILab EAGLE, SpecForge,
-    ModelOpt or vLLM; see :mod:`hf_specdec.convert`) is imported on the fly; pass ``target_config=`` (or
-    ``target_num_hidden_layers=``), which such checkpoints do not record.
+    A local folder written by another project in a registered layout (``hf-specdec convert --list``; detected from
+    ``config.json`` and the tensor names) is imported on the fly. Target facts such checkpoints do not record (the
+    target's depth, hence default feature layers) are resolved when ``generate`` binds the target; pass
+    ``target_config=`` (or ``target_num_hidden_layers=``) to resolve and check them at load time instead.
     """
 
     _model_mapping = _LazyAutoMapping(OrderedDict(), OrderedDict())

@@ -18,8 +18,6 @@ __all__ = ["drafter_card", "push_drafter", "TEMPLATE"]
 
 TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "templates", "drafter_card.md")
 
-_FAMILY_NAMES = {"eagle3": "EAGLE-3"}
-
 
 def _load_bench(bench: str | dict | None) -> dict | None:
     if bench is None or isinstance(bench, dict):
@@ -80,6 +78,7 @@ def drafter_card(
     from huggingface_hub import ModelCard, ModelCardData
 
     from .auto import AutoModelForDrafting
+    from .registry import get_drafter_spec
 
     folder = drafter_or_dir if isinstance(drafter_or_dir, (str, os.PathLike)) else None
     drafter = AutoModelForDrafting.from_pretrained(folder) if folder is not None else drafter_or_dir
@@ -87,7 +86,7 @@ def drafter_card(
     target = base_model or cfg.target_model_name_or_path
     if not target:
         raise ValueError("The drafter's config does not name its target: pass base_model= (the target's Hub id).")
-    family = cfg.model_type.removesuffix("_drafter")
+    spec = get_drafter_spec(cfg.model_type)  # the family's name, display name and card wording
     record: dict[str, Any] = {}
     if folder is not None and os.path.isfile(os.path.join(folder, "training_record.json")):
         with open(os.path.join(folder, "training_record.json"), encoding="utf-8") as fh:
@@ -102,11 +101,11 @@ def drafter_card(
     results, approximate = ("", False) if report is None else _results_table(report)
     own = sum(p.numel() for p in drafter.parameters())
     facts = [
-        ("family", f"{_FAMILY_NAMES.get(family, family)} (`{type(drafter).__name__}`)"),
+        ("family", f"{spec.label} (`{type(drafter).__name__}`)"),
         ("parameters", f"{own / 1e6:.1f} M (target embeddings / LM head borrowed at generation time, not saved)"),
         (
             "target",
-            f"`{target}` ({cfg.target_model_type}, {cfg.target_num_hidden_layers} layers, hidden "
+            f"`{target}` ({cfg.target_model_type}, {cfg.target_num_hidden_layers or 'any number of'} layers, hidden "
             f"{cfg.target_hidden_size}, vocabulary {cfg.target_vocab_size})",
         ),  # fmt: skip
         ("draft tokens per step", str(cfg.num_draft_tokens)),
@@ -140,7 +139,7 @@ def drafter_card(
             "Lossless: greedy outputs are token-identical to plain `generate`, and sampling follows the target's "
             "distribution exactly (rejection sampling)."
         )
-    tags = ["speculative-decoding", family, "hf_specdec"]
+    tags = ["speculative-decoding", spec.name, "hf_specdec"]
     card_data = ModelCardData(
         base_model=target,
         library_name="hf_specdec",
@@ -160,8 +159,9 @@ def drafter_card(
     return ModelCard.from_template(
         card_data,
         template_path=TEMPLATE,
-        title=f"{_FAMILY_NAMES.get(family, family)} drafter for {target}",
-        family_name=_FAMILY_NAMES.get(family, family),
+        title=f"{spec.label} drafter for {target}",
+        family_name=spec.label,
+        family_description=spec.card_description,
         target=target,
         target_link=link,
         repo_id=repo_id or "path/to/this/drafter",
@@ -226,3 +226,12 @@ def push_drafter(
             revision=revision,
             commit_message=commit_message or f"Upload {drafter.config.model_type} drafter with hf_specdec",
         )
+
+
+def _register() -> None:
+    from .modeling_utils import register_drafter_publisher
+
+    register_drafter_publisher(push_drafter)
+
+
+_register()  # DrafterPreTrainedModel.push_to_hub uploads through push_drafter

@@ -65,6 +65,24 @@ def _drafter_overrides(args) -> dict:
     return out
 
 
+def _loss_kwargs(args) -> dict | None:
+    """``--loss-kwarg KEY=VALUE`` (VALUE read as JSON, else a string) and ``--ttt-steps N`` (loss kwarg ``steps``)."""
+    import json
+
+    out = {}
+    for item in getattr(args, "loss_kwarg", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--loss-kwarg expects KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    if getattr(args, "ttt_steps", None):
+        out["steps"] = args.ttt_steps
+    return out or None
+
+
 def _dump_features(args) -> int:
     from .training.offline import dump_features
     from .training.recipes import build_datasets, make_drafter
@@ -103,7 +121,8 @@ def _train(args) -> int:
         lr_scheduler_type=args.scheduler,
         max_grad_norm=args.max_grad_norm,
         mixed_precision=args.mixed_precision,
-        ttt_steps=args.ttt_steps,
+        loss_kwargs=_loss_kwargs(args),
+        stop_after_steps=args.stop_after_steps,
         save_steps=args.save_steps,
         eval_steps=args.eval_steps,
         logging_steps=args.logging_steps,
@@ -123,7 +142,9 @@ def _train(args) -> int:
         resume=args.resume,
         lora={"r": args.lora_r, "lora_alpha": args.lora_alpha} if args.lora else None,
     )
-    if record:
+    if record.get("stopped_early"):
+        print(f"stopped after step {record['steps']} of {record['total_steps']}; continue with --resume")
+    elif record:
         ev = record.get("final_eval") or {}
         print(
             f"saved {type(drafter).__name__} to {args.output_dir}: {record['steps']} steps, "
@@ -164,11 +185,20 @@ def _bench_methods(args, target):
     for path in drafters:
         drafter = AutoModelForDrafting.from_pretrained(path).eval()
         drafter.check_target_compatibility(target)
-        for k in args.num_draft_tokens or [None]:
-            methods.append(drafter_method(drafter, num_draft_tokens=k))
-            for verifier in args.verifier or []:
-                options = _asd_options(args) if verifier == "asd" else None
-                methods.append(drafter_method(drafter, num_draft_tokens=k, verifier=verifier, verifier_options=options))
+        for tree in args.tree or ["chain"]:
+            draft_options = _tree_options(args, tree)
+            for k in (args.num_draft_tokens or [None]) if tree == "chain" else [None]:
+                methods.append(drafter_method(drafter, num_draft_tokens=k, draft_options=draft_options))
+                for verifier in args.verifier or []:
+                    methods.append(
+                        drafter_method(
+                            drafter,
+                            num_draft_tokens=k,
+                            verifier=verifier,
+                            verifier_options=_verifier_options(args, verifier),
+                            draft_options=draft_options,
+                        )
+                    )
     if not args.no_peers:
         assistant = args.assistant
         if assistant is None and args.target is None and os.path.isdir(DEMO_ASSISTANT):
@@ -197,8 +227,52 @@ def _bench_target(args):
     return target, tokenizer
 
 
-def _asd_options(args) -> dict:
-    return {"budget": args.asd_budget, "gate": args.asd_gate, "block_cap": args.asd_block_cap}
+def _verifier_options(args, verifier: str) -> dict | None:
+    """The ``--<option>`` flags a verifier declares (its ``generate_options``), as constructor arguments."""
+    from .verification import VERIFIERS
+
+    cls = VERIFIERS.get(verifier)
+    if cls is None:
+        raise SystemExit(f"hf-specdec: unknown verifier {verifier!r}; available: {', '.join(sorted(VERIFIERS))}")
+    options = {
+        arg: getattr(args, key) for key, arg in cls.generate_options.items() if getattr(args, key, None) is not None
+    }
+    return options or None
+
+
+def _add_verifier_flags(p) -> None:
+    """One ``--<option>`` flag per option a registered verifier declares (e.g. ``--asd-budget``), typed and
+    defaulted from its constructor; the flag only applies to that verifier."""
+    import inspect
+
+    from .verification import VERIFIERS
+
+    for cls in VERIFIERS.values():
+        params = inspect.signature(cls.__init__).parameters
+        for key, arg in cls.generate_options.items():
+            default = params[arg].default if arg in params else None
+            kind = type(default) if isinstance(default, (int, float)) and not isinstance(default, bool) else None
+            if isinstance(default, bool):
+                p.add_argument("--" + key.replace("_", "-"), action="store_true", default=None)
+                continue
+            p.add_argument(
+                "--" + key.replace("_", "-"),
+                type=kind or float,
+                default=None,
+                help=f"{cls.name} verifier option {arg} (default {default})",
+            )
+
+
+def _tree_options(args, tree: str) -> dict | None:
+    """``--tree`` value plus the EAGLE-2 sizes as ``generate`` draft options (``chain``: none)."""
+    if tree in (None, "chain"):
+        return None
+    options = {"tree": tree}
+    if tree in ("eagle2", "dynamic"):
+        for key in ("tree_depth", "tree_top_k", "tree_total_tokens"):
+            if getattr(args, key, None) is not None:
+                options[key] = getattr(args, key)
+    return options
 
 
 def _bench(args) -> int:
@@ -307,7 +381,13 @@ def _convert(args) -> int:
         from .auto import AutoModelForDrafting
 
         drafter = AutoModelForDrafting.from_pretrained(args.src)
-        export_drafter(drafter, args.out, args.to)
+        target = None
+        if args.target:  # layouts that ship target weights (e.g. embeddings) take them from here
+            from transformers import AutoModelForCausalLM
+
+            target = AutoModelForCausalLM.from_pretrained(args.target)
+            drafter.bind_target(target)
+        export_drafter(drafter, args.out, args.to, target=target)
         print(f"wrote {args.out} in the {args.to!r} layout")
         return 0
     target_config = None
@@ -361,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "selfcheck",
         help="build tiny targets of several architectures and check that speculative decoding reproduces plain "
-        "generate token for token (greedy), with an EAGLE-3 drafter and a replay drafter",
+        "generate token for token (greedy), with a fresh drafter of every registered family and a replay drafter",
     )
     p.add_argument("--arch", nargs="+", default=["llama", "qwen2", "qwen3", "mistral", "gemma"])
     p.add_argument("--batch", nargs="+", type=int, default=[1, 3])
@@ -371,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "demo",
-        help="the shipped demo: a code model trained by hf_specdec and its EAGLE-3 drafter; plain vs speculative "
+        help="the shipped demo: a code model trained by hf_specdec and its drafter; plain vs speculative "
         "generate on held-out prompts (table, demo_report.json, demo_report.png)",
     )
     p.add_argument("--prompts", type=int, default=8, help="number of held-out prompts (max 37)")
@@ -397,10 +477,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-map", default=None, help='accelerate placement of the target, e.g. "auto"')
     p.add_argument("--drafter", nargs="+", default=None, help="hf_specdec drafter folders / Hub ids")
     p.add_argument("--num-draft-tokens", type=int, nargs="+", default=None, help="K values to measure per drafter")
-    p.add_argument("--verifier", nargs="+", default=None, help="also measure these verifiers (e.g. asd)")
-    p.add_argument("--asd-budget", type=float, default=8.0, help="ASD regret budget B per request")
-    p.add_argument("--asd-gate", type=float, default=0.25, help="ASD local gate g")
-    p.add_argument("--asd-block-cap", type=int, default=2, help="ASD exceptions per verification pass M")
+    p.add_argument("--verifier", nargs="+", default=None, help="also measure these verifiers (e.g. asd, typical)")
+    _add_verifier_flags(p)
+    p.add_argument(
+        "--tree",
+        nargs="+",
+        default=None,
+        help="proposal shapes to measure: chain (default), eagle2 (EAGLE-2 dynamic tree) or a static tree name",
+    )
+    p.add_argument("--tree-depth", type=int, default=None, help="EAGLE-2 tree depth")
+    p.add_argument("--tree-top-k", type=int, default=None, help="EAGLE-2 children per node and nodes per depth")
+    p.add_argument("--tree-total-tokens", type=int, default=None, help="EAGLE-2 draft nodes per tree")
     p.add_argument("--assistant", default=None, help="small assistant model for transformers' assisted generation")
     p.add_argument("--assistant-tokens", type=int, default=None, help="num_assistant_tokens for --assistant")
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt-lookup draft length (0: off)")
@@ -449,14 +536,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "convert",
-        help="import a drafter written by another project (EAGLE-3: SafeAILab EAGLE, SpecForge, ModelOpt, vLLM) or "
-        "export one to their layouts (vLLM, SGLang)",
+        help="import a drafter written by another project (layouts: --list) or export one to such a layout",
     )
     p.add_argument("src", nargs="?", help="source checkpoint folder")
     p.add_argument("out", nargs="?", help="output folder")
     p.add_argument("--from", dest="from_layout", default="auto", help="source layout (default: detect)")
     p.add_argument("--to", default=None, help="export an hf_specdec drafter to this layout instead")
-    p.add_argument("--target", default=None, help="the target (its config gives depth, width and vocabulary)")
+    p.add_argument(
+        "--target",
+        default=None,
+        help="the target: checks depth, width and vocabulary on import; its embeddings for layouts that ship them",
+    )
     p.add_argument("--target-num-layers", type=int, default=None, help="the target's depth, without --target")
     p.add_argument("--list", action="store_true", help="list the known layouts")
     p.set_defaults(func=_convert)
@@ -493,7 +583,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_args(p)
     p.add_argument("--data", required=True)
     p.add_argument("--output-dir", required=True)
-    p.add_argument("--drafter", default="eagle3", help="family name (its default layers) or a drafter path")
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="family name (its default layers; default: the default family) or a drafter path",
+    )
     p.add_argument("--layer-ids", type=int, nargs="+", default=None, help="override the target layers to store")
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--feature-dtype", default="bfloat16", help="storage dtype: bfloat16, float16 or float32")
@@ -503,7 +597,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a drafter for a target (online or offline target features)")
     _add_target_args(p)
-    p.add_argument("--drafter", default="eagle3", help="family name (fresh drafter) or a trained drafter path")
+    p.add_argument(
+        "--drafter", default=None, help="family name (fresh drafter; default: the default family) or a drafter path"
+    )
     p.add_argument("--data", default=None, help="JSONL training data (chat, prompt/response, text or token ids)")
     p.add_argument("--features", default=None, help="offline features directory from dump-features")
     p.add_argument("--output-dir", required=True)
@@ -520,7 +616,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler", default="cosine")
     p.add_argument("--max-grad-norm", type=float, default=0.5)
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
-    p.add_argument("--ttt-steps", type=int, default=None, help="unrolled draft steps in the loss")
+    p.add_argument("--ttt-steps", type=int, default=None, help="unrolled draft steps in the loss (loss kwarg steps)")
+    p.add_argument("--loss-kwarg", action="append", metavar="KEY=VALUE", help="a loss kwarg the family declares")
+    p.add_argument("--stop-after-steps", type=int, default=-1, help="stop after this step; --resume goes on")
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--draft-vocab-size", type=int, default=None)
     p.add_argument("--layer-ids", type=int, nargs="+", default=None)

@@ -50,7 +50,9 @@ class DrafterConfig(PretrainedConfig):
         target_hidden_size (`int`):
             Hidden size of the target model.
         target_num_hidden_layers (`int`):
-            Number of decoder layers of the target model.
+            Number of decoder layers of the target model. ``None`` when a checkpoint does not record it (another
+            project's layout); :meth:`~hf_specdec.DrafterPreTrainedModel.bind_target` then resolves it, and the
+            default ``target_layer_ids``, from the target.
         target_vocab_size (`int`):
             Size of the target's LM head output (its vocabulary, including any padding rows).
         target_layer_ids (`list[int]`, *optional*):
@@ -61,6 +63,10 @@ class DrafterConfig(PretrainedConfig):
             reduced draft vocabulary mapped to target ids.
         num_draft_tokens (`int`, *optional*, defaults to 5):
             Default number of draft tokens proposed per decoding step (``num_assistant_tokens`` overrides it).
+        target_adapter (`dict`, *optional*):
+            A peft adapter the target must carry for this drafter (families that train one with the drafter):
+            ``{"subfolder": ..., "fingerprint": ...}``, the folder next to the drafter's weights that holds it and
+            a hash of its weights. Written by the trainer; checked when the drafter is bound to a target.
     """
 
     model_type = "drafter"
@@ -74,6 +80,7 @@ class DrafterConfig(PretrainedConfig):
     target_layer_ids: list[int] | None = None
     draft_vocab_size: int | None = None
     num_draft_tokens: int = 5
+    target_adapter: dict | None = None
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -102,7 +109,8 @@ class DrafterConfig(PretrainedConfig):
         if not require_complete and not self.is_bound_to_target_facts:
             return
         _require_int("target_hidden_size", self.target_hidden_size, 1, name)
-        _require_int("target_num_hidden_layers", self.target_num_hidden_layers, 1, name)
+        # None: not recorded (foreign checkpoints); resolved from the target by `bind_target`.
+        _require_int("target_num_hidden_layers", self.target_num_hidden_layers, 1, name, allow_none=True)
         _require_int("target_vocab_size", self.target_vocab_size, 1, name)
         _require_int("draft_vocab_size", self.draft_vocab_size, 1, name)
         if self.draft_vocab_size > self.target_vocab_size:
@@ -110,7 +118,7 @@ class DrafterConfig(PretrainedConfig):
                 f"{name}.draft_vocab_size ({self.draft_vocab_size}) cannot exceed target_vocab_size "
                 f"({self.target_vocab_size})."
             )
-        if self.target_layer_ids is not None:
+        if self.target_layer_ids is not None and self.target_num_hidden_layers is not None:
             bad = [i for i in self.target_layer_ids if not 0 <= i <= self.target_num_hidden_layers]
             if bad or not self.target_layer_ids:
                 raise ValueError(
@@ -153,7 +161,7 @@ class DrafterConfig(PretrainedConfig):
         """Builds a config sized for ``target_config``; keyword arguments override any field.
 
         Example:
-            >>> config = Eagle3Config.for_target(target.config, num_draft_tokens=6)
+            >>> config = MyDrafterConfig.for_target(target.config, num_draft_tokens=6)
         """
         facts = cls.target_facts(target_config)
         kwargs: dict[str, Any] = dict(facts)

@@ -1,21 +1,13 @@
 """Import and export of other projects' drafter checkpoints, as a registry of layouts.
 
 A :class:`Layout` knows how to recognise a foreign checkpoint folder, turn it into an hf_specdec drafter, and/or
-write an hf_specdec drafter in that layout. Drafter families add their layouts with :func:`register_layout`; nothing
-here switches on family names.
+write an hf_specdec drafter in that layout. Each drafter family registers its layouts from its own folder
+(``models/<family>/convert_<family>.py`` calling :func:`register_layout`); nothing here knows a family.
 
-EAGLE-3 layouts (see ``docs/formats.md`` of the project):
-
-* ``eagle3`` (import and export): SafeAILab EAGLE / SpecForge. A Llama-style ``config.json``
-  (``LlamaForCausalLMEagle3`` or ``LlamaForCausalLM``, ``draft_vocab_size``, optional ``target_hidden_size``) and
-  ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d`` weights, optionally ``embed_tokens``. This is also
-  what SGLang loads.
-* ``eagle3-modelopt`` (import): NVIDIA ModelOpt exports (``layers.0.*``, ``input_embeds_norm``, ``hidden_norm``,
-  ``eagle_lm_head``, no ``t2d``; feature layers in ``eagle_config.eagle_aux_hidden_state_layer_ids``).
-* ``eagle3-vllm`` (import and export): ``layers.0.*`` instead of ``midlayer.*``, ``d2t`` without ``t2d``.
-
-Foreign EAGLE-3 configs do not say how deep the target is, which hf_specdec needs to check the drafter against a
-target; pass the target's config (or its number of layers) when importing.
+Detection reads only ``config.json`` and the tensor names (``safetensors.safe_open``), never the weights.
+Foreign configs often leave target facts out (e.g. the target's depth); a layout's loader then leaves them
+unresolved, and :meth:`~hf_specdec.DrafterPreTrainedModel.bind_target` fills them in from the target (``generate``
+binds it). ``hf-specdec convert --list`` lists the registered layouts.
 """
 
 from __future__ import annotations
@@ -27,7 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Layout", "LAYOUTS", "register_layout", "detect_layout", "import_drafter", "export_drafter"]
+__all__ = [
+    "Layout",
+    "LAYOUTS",
+    "register_layout",
+    "read_checkpoint_header",
+    "detect_layout",
+    "import_drafter",
+    "export_drafter",
+]
 
 
 @dataclass
@@ -39,8 +39,12 @@ class Layout:
         family: the hf_specdec drafter family (``model_type``) it maps to.
         description: one line for ``hf-specdec convert --list``.
         detect: ``(config_dict, weight_names) -> bool`` for auto-detection on import (``None``: never auto-detected).
-        load: ``(config_dict, state_dict, target_info) -> drafter`` (``None``: export only).
-        save: ``(drafter, out_dir) -> None`` (``None``: import only).
+        load: ``(config_dict, state_dict, target_info) -> drafter`` (``None``: export only). ``target_info`` holds
+            what is known of the target (``num_hidden_layers``, ``hidden_size``, ``vocab_size``, ``model_type``,
+            ``name_or_path``; any may be missing).
+        save: ``(drafter, out_dir, target) -> None`` (``None``: import only); ``target`` is the target model passed
+            to :func:`export_drafter` or the one the drafter is bound to (``None`` if neither), for layouts that
+            must ship target weights (e.g. embeddings).
     """
 
     name: str
@@ -48,7 +52,7 @@ class Layout:
     description: str
     detect: Callable[[dict, set], bool] | None = None
     load: Callable[[dict, dict, dict], object] | None = None
-    save: Callable[[object, str], None] | None = None
+    save: Callable[[object, str, object], None] | None = None
 
 
 LAYOUTS: dict[str, Layout] = {}
@@ -62,15 +66,19 @@ def register_layout(layout: Layout) -> Layout:
     return layout
 
 
-def _read_checkpoint(path: str) -> tuple[dict, dict]:
-    """``config.json`` and all weights of a checkpoint folder (safetensors, sharded or not, or ``pytorch_model.bin``)."""
+def _read_config(path: str) -> dict:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"No checkpoint folder at {path!r}.")
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"{path} has no config.json; a drafter checkpoint folder needs one.")
     with open(config_path, encoding="utf-8") as fh:
-        config = json.load(fh)
+        return json.load(fh)
+
+
+def _read_checkpoint(path: str) -> tuple[dict, dict]:
+    """``config.json`` and all weights of a checkpoint folder (safetensors, sharded or not, or ``pytorch_model.bin``)."""
+    config = _read_config(path)
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     state: dict[str, torch.Tensor] = {}
     if files:
@@ -91,15 +99,50 @@ def _read_checkpoint(path: str) -> tuple[dict, dict]:
     return config, state
 
 
-def detect_layout(path: str) -> str | None:
-    """Name of the registered layout a checkpoint folder is in, or ``None`` (e.g. an hf_specdec checkpoint)."""
-    config, state = _read_checkpoint(path)
-    if str(config.get("model_type", "")).endswith("_drafter"):
+def read_checkpoint_header(path: str) -> tuple[dict, set[str]]:
+    """``config.json`` and the tensor names of a checkpoint folder, without loading the weights.
+
+    Safetensors names come from the file headers (``safe_open``); a ``pytorch_model.bin`` is memory-mapped.
+    """
+    config = _read_config(path)
+    names: set[str] = set()
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if files:
+        from safetensors import safe_open
+
+        for name in files:
+            try:
+                with safe_open(os.path.join(path, name), framework="pt") as fh:
+                    names.update(fh.keys())
+            except Exception as err:  # safetensors raises its own error types
+                msg = f"Cannot read {os.path.join(path, name)}: {err}. The file is corrupt or truncated."
+                raise ValueError(msg) from err
+        return config, names
+    for name in sorted(f for f in os.listdir(path) if f.endswith(".bin") or f.endswith(".pt")):
+        file = os.path.join(path, name)
+        try:
+            names.update(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+        except RuntimeError:  # legacy (non-zip) pickles cannot be memory-mapped
+            names.update(torch.load(file, map_location="cpu", weights_only=True))
+    return config, names
+
+
+def _find_layout(config: dict, names: set[str]) -> Layout | None:
+    if str(config.get("model_type", "")).endswith("_drafter"):  # an hf_specdec checkpoint
         return None
     for layout in LAYOUTS.values():
-        if layout.detect is not None and layout.detect(config, set(state)):
-            return layout.name
+        if layout.detect is not None and layout.detect(config, names):
+            return layout
     return None
+
+
+def detect_layout(path: str) -> str | None:
+    """Name of the registered layout a checkpoint folder is in, or ``None`` (e.g. an hf_specdec checkpoint).
+
+    Reads ``config.json`` and the tensor names only.
+    """
+    found = _find_layout(*read_checkpoint_header(path))
+    return None if found is None else found.name
 
 
 def _target_info(target_config=None, target_num_hidden_layers: int | None = None) -> dict:
@@ -124,16 +167,12 @@ def import_drafter(path: str, layout: str = "auto", target_config=None, target_n
     Args:
         path: the checkpoint folder.
         layout: a registered layout name, or ``"auto"`` to detect it.
-        target_config: the target's config (checks vocabulary and hidden size; gives its depth).
+        target_config: the target's config (checks vocabulary and hidden size; gives its depth). Optional: facts
+            the checkpoint does not record are then resolved when the drafter is bound to its target.
         target_num_hidden_layers: the target's depth, when its config is not at hand.
     """
-    config, state = _read_checkpoint(path)
     if layout == "auto":
-        found = None
-        for candidate in LAYOUTS.values():
-            if candidate.detect is not None and candidate.detect(config, set(state)):
-                found = candidate
-                break
+        found = _find_layout(*read_checkpoint_header(path))
         if found is None:
             raise ValueError(
                 f"{path} is not in a known layout. Known: {sorted(LAYOUTS)}; pass layout= (--from) explicitly if "
@@ -146,11 +185,20 @@ def import_drafter(path: str, layout: str = "auto", target_config=None, target_n
         raise ValueError(f"Unknown layout {layout!r}. Known layouts: {sorted(LAYOUTS)}.")
     if spec.load is None:
         raise ValueError(f"Layout {spec.name!r} is export-only; importable: {_names(lambda x: x.load)}.")
+    config, state = _read_checkpoint(path)
     return spec.load(config, state, _target_info(target_config, target_num_hidden_layers))
 
 
-def export_drafter(drafter, out_dir: str, layout: str) -> str:
-    """Writes ``drafter`` in another project's layout (``config.json`` + ``model.safetensors``); returns ``out_dir``."""
+def export_drafter(drafter, out_dir: str, layout: str, target=None) -> str:
+    """Writes ``drafter`` in another project's layout (``config.json`` + ``model.safetensors``); returns ``out_dir``.
+
+    Args:
+        drafter: an hf_specdec drafter.
+        out_dir: output folder (created).
+        layout: a registered layout name (``hf-specdec convert --list``).
+        target: the target model, for layouts that ship target weights the drafter only borrows (e.g. the token
+            embeddings); defaults to the target the drafter is bound to.
+    """
     if layout not in LAYOUTS:
         raise ValueError(f"Unknown layout {layout!r}. Known layouts: {sorted(LAYOUTS)}.")
     spec = LAYOUTS[layout]
@@ -162,232 +210,9 @@ def export_drafter(drafter, out_dir: str, layout: str) -> str:
             f"layouts for it: {_names(lambda x: x.save and x.family == drafter.config.model_type)}."
         )
     os.makedirs(out_dir, exist_ok=True)
-    spec.save(drafter, out_dir)
+    spec.save(drafter, out_dir, target if target is not None else getattr(drafter, "bound_target", None))
     return out_dir
 
 
 def _names(pred) -> list[str]:
     return sorted(name for name, layout in LAYOUTS.items() if pred(layout))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# EAGLE-3
-# ---------------------------------------------------------------------------------------------------------------
-_EAGLE3_LAYER_KEYS = (
-    "input_layernorm.weight",
-    "hidden_norm.weight",
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-)
-_MODELOPT_RENAMES = (
-    ("eagle_module.", ""),
-    ("layers.0.", "midlayer."),
-    ("input_embeds_norm.", "midlayer.input_layernorm."),
-    ("eagle_lm_head.", "lm_head."),
-)
-
-
-def _is_eagle3_config(config: dict) -> bool:
-    arch = config.get("architectures") or []
-    return "LlamaForCausalLMEagle3" in arch or ("LlamaForCausalLM" in arch and "draft_vocab_size" in config)
-
-
-def _detect_eagle3(config: dict, keys: set) -> bool:
-    return _is_eagle3_config(config) and "fc.weight" in keys and any(k.startswith("midlayer.") for k in keys)
-
-
-def _detect_eagle3_vllm(config: dict, keys: set) -> bool:
-    return (
-        _is_eagle3_config(config)
-        and "fc.weight" in keys
-        and "layers.0.hidden_norm.weight" in keys
-        and "eagle_lm_head.weight" not in keys
-    )
-
-
-def _detect_eagle3_modelopt(config: dict, keys: set) -> bool:
-    has_renamed = any(k.startswith(("eagle_lm_head.", "input_embeds_norm.", "eagle_module.")) for k in keys)
-    return has_renamed and ("eagle_config" in config or _is_eagle3_config(config))
-
-
-def _eagle3_feature_ids(config: dict, num_layers: int) -> list[int]:
-    nested = config.get("eagle_config") or {}
-    ids = nested.get("eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids"))
-    if ids:  # output-of-layer numbering (0-based) -> hidden_states index
-        return [int(i) + 1 for i in ids]
-    from .models.eagle3 import Eagle3Config
-
-    return Eagle3Config.default_target_layer_ids(num_layers)
-
-
-def _rope_theta(config: dict) -> float:
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if isinstance(params, dict) and params.get("rope_theta") is not None:
-        return float(params["rope_theta"])
-    if isinstance(params, dict) and params.get("rope_type") not in (None, "default", "linear"):
-        raise ValueError(f"RoPE scaling {params!r} is not supported by hf_specdec's EAGLE-3 drafter yet.")
-    return float(config.get("rope_theta", 10000.0))
-
-
-def _load_eagle3(config: dict, state: dict, target: dict, renames=()) -> object:
-    from .models.eagle3 import Eagle3Config, Eagle3ForDrafting
-
-    weights = {}
-    for key, value in state.items():
-        for old, new in renames:
-            if key.startswith(old):
-                key = new + key[len(old) :]
-        weights[key] = value
-    if "hidden_norm.weight" in weights and "midlayer.hidden_norm.weight" not in weights:
-        weights["midlayer.hidden_norm.weight"] = weights.pop("hidden_norm.weight")
-    weights.pop("embed_tokens.weight", None)  # the target's embeddings are bound at generation time
-    if "fc.bias" in weights:
-        if torch.count_nonzero(weights["fc.bias"]):
-            raise ValueError("This EAGLE-3 checkpoint has a non-zero fc.bias; hf_specdec's fc has no bias.")
-        weights.pop("fc.bias")
-    required = ["fc.weight", "norm.weight", "lm_head.weight"] + [f"midlayer.{k}" for k in _EAGLE3_LAYER_KEYS]
-    missing = [k for k in required if k not in weights]
-    if missing:
-        raise ValueError(f"The EAGLE-3 checkpoint is missing tensors {missing}; it cannot be imported.")
-    unknown = sorted(set(weights) - set(required) - {"d2t", "t2d"})
-    if unknown:
-        raise ValueError(f"The EAGLE-3 checkpoint has tensors hf_specdec does not know: {unknown[:8]}.")
-    if "num_hidden_layers" not in target:
-        raise ValueError(
-            "Foreign EAGLE-3 configs do not record the target's depth: pass target_config= (hf-specdec convert "
-            "--target PATH) or target_num_hidden_layers= (--target-num-layers N)."
-        )
-    hidden = int(config["hidden_size"])
-    vocab = int(config.get("vocab_size", target.get("vocab_size", 0)))
-    draft_vocab = int(config.get("draft_vocab_size") or weights["lm_head.weight"].shape[0])
-    target_hidden = int(config.get("target_hidden_size") or hidden)
-    if target.get("hidden_size") not in (None, target_hidden):
-        raise ValueError(
-            f"The drafter reads {target_hidden}-wide target states but the target's hidden size is "
-            f"{target['hidden_size']}: this drafter was trained for another target."
-        )
-    if target.get("vocab_size") not in (None, vocab):
-        raise ValueError(
-            f"The drafter's vocabulary ({vocab}) differs from the target's ({target['vocab_size']}): this drafter was "
-            "trained for another target."
-        )
-    heads = int(config["num_attention_heads"])
-    cfg = Eagle3Config(
-        target_hidden_size=target_hidden,
-        target_num_hidden_layers=target["num_hidden_layers"],
-        target_vocab_size=vocab,
-        target_model_type=target.get("model_type") or config.get("model_type"),
-        target_model_name_or_path=target.get("name_or_path"),
-        target_layer_ids=_eagle3_feature_ids(config, target["num_hidden_layers"]),
-        draft_vocab_size=draft_vocab,
-        hidden_size=hidden,
-        intermediate_size=int(config["intermediate_size"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden // heads),
-        hidden_act=config.get("hidden_act", "silu"),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(config),
-        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-    )
-    model = Eagle3ForDrafting(cfg)
-    if "d2t" not in weights:
-        if draft_vocab != vocab:
-            raise ValueError("The checkpoint has a reduced draft vocabulary but no d2t map; it cannot be imported.")
-        weights["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
-    if "t2d" not in weights:  # ModelOpt / vLLM layouts: rebuild it from d2t
-        t2d = torch.zeros(vocab, dtype=torch.bool)
-        t2d[torch.arange(draft_vocab) + weights["d2t"].long()] = True
-        weights["t2d"] = t2d
-    weights["d2t"] = weights["d2t"].long()
-    weights["t2d"] = weights["t2d"].bool()
-    expected = model.state_dict()
-    for key, value in weights.items():
-        if tuple(value.shape) != tuple(expected[key].shape):
-            raise ValueError(
-                f"Tensor {key} has shape {tuple(value.shape)}, expected {tuple(expected[key].shape)} from the config."
-            )
-    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in weights.items()}, strict=True)
-    model.check_draft_vocab()
-    return model.eval()
-
-
-def _eagle3_config_dict(drafter, with_t2d: bool) -> dict:
-    cfg = drafter.config
-    return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "num_hidden_layers": 1,
-        "vocab_size": cfg.target_vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "tie_word_embeddings": False,
-        "torch_dtype": str(drafter.dtype).removeprefix("torch."),
-        "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": [int(i) - 1 for i in cfg.target_layer_ids],
-            "use_aux_hidden_state": True,
-        },
-        # Provenance, ignored by the loaders.
-        "hf_specdec": {"target_num_hidden_layers": cfg.target_num_hidden_layers, "t2d": with_t2d},
-    }
-
-
-def _save_eagle3(drafter, out_dir: str, layer_prefix: str, with_t2d: bool) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {}
-    for key, value in drafter.state_dict().items():
-        if key == "t2d" and not with_t2d:
-            continue
-        if key.startswith("midlayer."):
-            key = layer_prefix + key[len("midlayer.") :]
-        tensors[key] = value.detach().cpu().contiguous()
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as fh:
-        json.dump(_eagle3_config_dict(drafter, with_t2d), fh, indent=2)
-
-
-register_layout(
-    Layout(
-        name="eagle3",
-        family="eagle3_drafter",
-        description="SafeAILab EAGLE / SpecForge EAGLE-3 (midlayer.*, d2t, t2d); what SGLang loads",
-        detect=_detect_eagle3,
-        load=lambda config, state, target: _load_eagle3(config, state, target),
-        save=lambda drafter, out: _save_eagle3(drafter, out, "midlayer.", with_t2d=True),
-    )
-)
-register_layout(
-    Layout(
-        name="eagle3-vllm",
-        family="eagle3_drafter",
-        description="EAGLE-3 as vLLM loads it (layers.0.*, d2t, no t2d)",
-        detect=_detect_eagle3_vllm,
-        load=lambda config, state, target: _load_eagle3(config, state, target, renames=(("layers.0.", "midlayer."),)),
-        save=lambda drafter, out: _save_eagle3(drafter, out, "layers.0.", with_t2d=False),
-    )
-)
-register_layout(
-    Layout(
-        name="eagle3-modelopt",
-        family="eagle3_drafter",
-        description="NVIDIA ModelOpt EAGLE-3 export (layers.0.*, input_embeds_norm, eagle_lm_head, no t2d)",
-        detect=_detect_eagle3_modelopt,
-        load=lambda config, state, target: _load_eagle3(config, state, target, renames=_MODELOPT_RENAMES),
-    )
-)

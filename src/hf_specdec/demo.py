@@ -1,4 +1,4 @@
-"""The demo (``hf-specdec demo``): the shipped code model, its EAGLE-3 drafter, and the data they were trained on.
+"""The demo (``hf-specdec demo``): the shipped code model, its drafter, and the data they were trained on.
 
 Everything here runs offline. The demo target is a small Llama-style Python code model that hf_specdec trained itself
 on the Python standard library (``scripts/train_demo_target.py``); the drafter was trained for it with hf_specdec's own
@@ -23,6 +23,7 @@ __all__ = [
     "DEMO_TARGET",
     "DEMO_DRAFTER",
     "DEMO_ASSISTANT",
+    "demo_family",
     "stdlib_files",
     "is_held_out",
     "code_prompts",
@@ -32,8 +33,16 @@ __all__ = [
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 DEMO_TARGET = os.path.join(ASSETS, "demo-target")
-DEMO_DRAFTER = os.path.join(ASSETS, "demo-eagle3")
+DEMO_DRAFTER = os.path.join(ASSETS, "demo-drafter")
 DEMO_ASSISTANT = os.path.join(ASSETS, "demo-assistant")
+
+
+def demo_family():
+    """The registry spec of the shipped demo drafter's family (read from its ``config.json``)."""
+    from .registry import get_drafter_spec
+
+    with open(os.path.join(DEMO_DRAFTER, "config.json"), encoding="utf-8") as fh:
+        return get_drafter_spec(json.load(fh)["model_type"])
 
 
 def stdlib_files() -> tuple[list[str], str]:
@@ -90,7 +99,8 @@ def train_demo_drafter(
     seed: int = 0,
     resume: bool = False,
 ) -> str:
-    """Trains an EAGLE-3 drafter for the demo target from scratch; returns the folder of the trained drafter.
+    """Trains a drafter of the shipped demo drafter's family for the demo target from scratch; returns the folder of
+    the trained drafter.
 
     1. prompts: code prefixes cut from standard-library files of the target's *training* split;
     2. self-distillation: the target continues every prompt greedily (resumable);
@@ -119,7 +129,8 @@ def train_demo_drafter(
         resume=True,
     )
     print(f"      done in {time.time() - t0:.0f}s", flush=True)
-    print(f"[2/2] training EAGLE-3 ({max_steps} steps, K={num_draft_tokens})", flush=True)
+    family = demo_family()
+    print(f"[2/2] training {family.label} ({max_steps} steps, K={num_draft_tokens})", flush=True)
     torch.manual_seed(seed)
     args = DrafterTrainingArguments(
         output_dir=os.path.join(out_dir, "drafter"),
@@ -138,7 +149,7 @@ def train_demo_drafter(
         tokenizer,
         regen_path,
         args,
-        drafter="eagle3",
+        drafter=family.name,
         drafter_overrides={"num_draft_tokens": num_draft_tokens, "draft_vocab_size": draft_vocab_size},
         max_length=256,
         eval_fraction=0.05,
@@ -159,7 +170,7 @@ def run_demo(
     drafter_path: str | None = None,
     progress: bool = True,
 ) -> dict:
-    """Plain ``generate`` against the demo target with its EAGLE-3 drafter, on held-out code prompts.
+    """Plain ``generate`` against the demo target with its drafter, on held-out code prompts.
 
     Prints a table, writes ``demo_report.json`` and ``demo_report.png`` to ``out_dir`` and returns the summary:
     ``speedup``, ``mean_accepted_length``, ``identical``, ``tokens_per_s_plain``, ``tokens_per_s_speculative``, plus
@@ -169,6 +180,7 @@ def run_demo(
     from .bench.prompts import load_prompts
     from .bench.report import format_console_table, save_plots
     from .bench.runner import drafter_method, plain_method, run_benchmark
+    from .registry import get_drafter_spec
 
     t_start = time.time()
     target, tokenizer = load_demo_target()
@@ -177,10 +189,11 @@ def run_demo(
     drafter = AutoModelForDrafting.from_pretrained(drafter_path or DEMO_DRAFTER).eval()
     prompts = load_prompts("demo")[:num_prompts]
     k = num_draft_tokens or drafter.config.num_draft_tokens
-    method = drafter_method(drafter, name=f"EAGLE-3 K={k}", num_draft_tokens=k)
+    label = get_drafter_spec(drafter.config.model_type).label
+    method = drafter_method(drafter, name=f"{label} K={k}", num_draft_tokens=k)
     print(
         f"demo target: {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M-parameter Llama code model; "
-        f"drafter: EAGLE-3 ({sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M); "
+        f"drafter: {label} ({sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M); "
         f"{len(prompts)} held-out prompts x {max_new_tokens} new tokens, greedy, batch size 1",
         flush=True,
     )
@@ -193,7 +206,7 @@ def run_demo(
         warmup=1,
         repeats=repeats,
         progress=progress,
-        config={"target": "hf_specdec demo-target", "drafter": drafter_path or "hf_specdec demo-eagle3"},
+        config={"target": "hf_specdec demo-target", "drafter": drafter_path or "hf_specdec demo-drafter"},
     )
     plain = next(r for r in report["records"] if r["kind"] == "plain")
     spec = next(r for r in report["records"] if r["kind"] == "drafter")

@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["RMSNorm", "RotaryEmbedding", "SlotKVCache", "GatedMLP", "apply_rotary", "slot_attention", "ACT2FN_SIMPLE"]
+__all__ = [
+    "RMSNorm",
+    "RotaryEmbedding",
+    "ROPE_TYPES",
+    "normalize_rope_scaling",
+    "rope_scaling_from_config",
+    "rope_parameters",
+    "rope_refusal",
+    "SlotKVCache",
+    "GatedMLP",
+    "apply_rotary",
+    "slot_attention",
+    "ACT2FN_SIMPLE",
+]
 
 ACT2FN_SIMPLE = {
     "silu": F.silu,
@@ -36,26 +51,271 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """Standard (Llama) rotary position embedding for explicit ``position_ids``."""
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+"""RoPE scalings :class:`RotaryEmbedding` implements (transformers' ``rope_type`` names)."""
 
-    def __init__(self, head_dim: int, theta: float = 10000.0):
+# Keys each scaling reads (besides ``rope_type``); anything else in a scaling dict is refused, not ignored.
+_ROPE_KEYS = {
+    "default": set(),
+    "linear": {"factor"},
+    "dynamic": {"factor"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": {
+        "factor",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "original_max_position_embeddings",
+        "truncate",
+    },
+}
+_ROPE_REQUIRED = {
+    "linear": {"factor"},
+    "dynamic": {"factor"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor"},
+    "yarn": set(),
+}
+
+
+def normalize_rope_scaling(scaling: dict | None, max_position_embeddings: int | None = None) -> dict | None:
+    """Normalises a RoPE scaling dict to transformers-5 form without ``rope_theta``; ``None`` for plain RoPE.
+
+    Accepts the transformers-5 form (``{"rope_type": "llama3", "factor": 8.0, ...}``, ``rope_theta`` and a
+    ``partial_rotary_factor`` of 1 are dropped) and the legacy form (``{"type": "linear", "factor": 2.0}``).
+    ``original_max_position_embeddings`` defaults to ``max_position_embeddings`` for llama3 / yarn, as in
+    transformers. Raises `ValueError` for a scaling this module does not implement or a key it would not read:
+    a silently ignored scaling puts the drafter's rotary angles out of step with the target's.
+    """
+    if not scaling:
+        return None
+    if not isinstance(scaling, dict):
+        raise ValueError(f"RoPE scaling must be a dict, got {scaling!r}.")
+    params = dict(scaling)
+    if params.get("rope_type") == "unsupported":  # recorded by a config's `for_target` (see rope_refusal)
+        raise ValueError(
+            f"{params.get('error')} To build the drafter anyway, choose its RoPE yourself: pass rope_theta= and "
+            "rope_scaling_parameters= (None: plain RoPE) to for_target."
+        )
+    rope_type = params.pop("rope_type", None)
+    legacy_type = params.pop("type", None)
+    rope_type = rope_type or legacy_type or "default"
+    params.pop("rope_theta", None)
+    partial = params.pop("partial_rotary_factor", 1.0)
+    if partial not in (None, 1, 1.0):
+        raise ValueError(
+            f"RoPE with partial_rotary_factor={partial} is not supported by hf_specdec's drafter rotary embedding; "
+            "use a drafter config with full rotary embeddings (partial_rotary_factor 1.0)."
+        )
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"RoPE scaling type {rope_type!r} is not supported by hf_specdec's drafter rotary embedding "
+            f"(supported: {', '.join(ROPE_TYPES)}). Build the drafter for a target with one of those, or set the "
+            "drafter's RoPE scaling explicitly to one of them."
+        )
+    unknown = sorted(set(params) - _ROPE_KEYS[rope_type])
+    if unknown:
+        raise ValueError(
+            f"RoPE scaling {scaling!r} has keys {unknown} that a {rope_type!r} scaling does not use; hf_specdec "
+            "refuses them rather than ignore them. Remove them if they are meant to have no effect."
+        )
+    missing = sorted(_ROPE_REQUIRED.get(rope_type, set()) - set(params))
+    if missing:
+        raise ValueError(f"RoPE scaling {scaling!r} ({rope_type}) is missing {missing}.")
+    if rope_type == "default":
+        return None
+    if rope_type in ("llama3", "yarn") and params.get("original_max_position_embeddings") is None:
+        if max_position_embeddings is None:
+            raise ValueError(f"RoPE scaling {scaling!r} needs original_max_position_embeddings.")
+        params["original_max_position_embeddings"] = int(max_position_embeddings)
+    if rope_type == "yarn" and params.get("factor") is None:
+        params["factor"] = max_position_embeddings / params["original_max_position_embeddings"]
+    return {"rope_type": rope_type, **params}
+
+
+def rope_scaling_from_config(config: Any) -> tuple[float, dict | None]:
+    """``(rope_theta, normalised scaling)`` of a model config (a `PretrainedConfig` or a ``config.json`` dict).
+
+    Reads transformers-5 ``rope_parameters`` (``{"rope_type": ..., "rope_theta": ...}``), the legacy
+    ``rope_scaling`` dict (``{"type": ..., "factor": ...}``) and a top-level ``rope_theta``. Raises `ValueError`
+    for per-layer-type RoPE, for two disagreeing RoPE dicts, and for scalings :func:`normalize_rope_scaling`
+    refuses.
+    """
+
+    def get(key):
+        return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+    max_pos = get("max_position_embeddings")
+    params, legacy = get("rope_parameters"), get("rope_scaling")
+    candidates = [_flat_rope(p) for p in (params, legacy) if p]
+    for raw in candidates:  # some configs keep original_max_position_embeddings at the top level (Phi-3)
+        if raw.get("rope_type", raw.get("type")) in ("llama3", "yarn") and get("original_max_position_embeddings"):
+            raw.setdefault("original_max_position_embeddings", get("original_max_position_embeddings"))
+    scalings = [normalize_rope_scaling(raw, max_pos) for raw in candidates]
+    if len(scalings) == 2 and scalings[0] != scalings[1]:
+        raise ValueError(
+            f"The config has both rope_parameters={params!r} and rope_scaling={legacy!r}, and they disagree; "
+            "keep only the one the model was trained with."
+        )
+    theta = next((raw["rope_theta"] for raw in candidates if raw.get("rope_theta") is not None), None)
+    if theta is None:
+        theta = get("rope_theta")
+    return (10000.0 if theta is None else float(theta)), (scalings[0] if scalings else None)
+
+
+def rope_refusal(error: Exception) -> dict:
+    """A scaling dict that records why a target's RoPE cannot be reproduced; :func:`normalize_rope_scaling` raises
+    it. ``for_target`` stores it so that the refusal surfaces unless the caller overrides the drafter's RoPE."""
+    return {"rope_type": "unsupported", "error": str(error)}
+
+
+def _flat_rope(raw: Any) -> dict:
+    if not isinstance(raw, dict):
+        raise ValueError(f"RoPE parameters must be a dict, got {raw!r}.")
+    if raw and all(isinstance(v, dict) for v in raw.values()):  # per layer type (e.g. Gemma-3)
+        kinds = {repr(sorted(v.items())) for v in raw.values()}
+        if len(kinds) != 1:
+            raise ValueError(
+                f"Per-layer-type RoPE ({sorted(raw)}) differs between layer types; hf_specdec's drafter rotary "
+                "embedding has one."
+            )
+        raw = next(iter(raw.values()))
+    return dict(raw)
+
+
+def rope_parameters(
+    head_dim: int,
+    theta: float,
+    scaling: dict | None = None,
+    max_position_embeddings: int | None = None,
+    seq_len: int | None = None,
+    device=None,
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and cos/sin scale of a (possibly scaled) RoPE, as transformers computes them.
+
+    Args:
+        head_dim: rotary dimension.
+        theta: RoPE base.
+        scaling: a dict from :func:`normalize_rope_scaling` (``None``: plain RoPE).
+        max_position_embeddings: the model's context length (used by ``dynamic`` and ``yarn``).
+        seq_len: current sequence length (``dynamic`` only: frequencies change once it exceeds
+            ``max_position_embeddings``).
+    """
+    arange = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
+    inv_freq = 1.0 / (theta ** (arange / head_dim))
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq, 1.0
+    factor = scaling.get("factor")
+    if rope_type == "linear":
+        return inv_freq / factor, 1.0
+    if rope_type == "dynamic":
+        if max_position_embeddings is None:
+            raise ValueError("dynamic RoPE scaling needs max_position_embeddings.")
+        seq = max(int(seq_len or 0), max_position_embeddings)
+        base = theta * ((factor * seq / max_position_embeddings) - (factor - 1)) ** (head_dim / (head_dim - 2))
+        return 1.0 / (base ** (arange / head_dim)), 1.0
+    if rope_type == "llama3":
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if rope_type == "yarn":
+        return _yarn(head_dim, theta, scaling, max_position_embeddings, device)
+    raise ValueError(f"RoPE scaling type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)}).")
+
+
+def _yarn(head_dim: int, theta: float, scaling: dict, max_position_embeddings, device) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023): per-frequency blend of interpolation and extrapolation, plus a cos/sin scale."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = max_position_embeddings / original
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # share of extrapolation per frequency
+    return interpolation * (1 - keep) + extrapolation * keep, float(attention)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding for explicit ``position_ids``, with transformers' RoPE scalings.
+
+    Args:
+        head_dim: rotary dimension.
+        theta: RoPE base (``rope_theta``).
+        scaling: ``None`` (plain RoPE) or a scaling dict (``rope_type`` linear, dynamic, yarn or llama3; legacy
+            ``{"type": ..., "factor": ...}`` is accepted too); anything else raises `ValueError`.
+        max_position_embeddings: context length (needed by dynamic and by yarn / llama3 without
+            ``original_max_position_embeddings``).
+
+    ``dynamic`` (NTK) scaling recomputes the frequencies from the largest position of each call once it exceeds
+    ``max_position_embeddings``, as transformers does for a sequence decoded left to right.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float = 10000.0,
+        scaling: dict | None = None,
+        max_position_embeddings: int | None = None,
+    ):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.head_dim = head_dim
         self.theta = theta
+        self.scaling = normalize_rope_scaling(scaling, max_position_embeddings)
+        self.max_position_embeddings = max_position_embeddings
+        inv_freq, self.attention_scaling = rope_parameters(head_dim, theta, self.scaling, max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def rope_type(self) -> str:
+        return (self.scaling or {}).get("rope_type", "default")
 
     def reset_parameters(self) -> None:
-        device = self.inv_freq.device
-        self.inv_freq = 1.0 / (
-            self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim)
+        inv_freq, self.attention_scaling = rope_parameters(
+            self.head_dim, self.theta, self.scaling, self.max_position_embeddings, device=self.inv_freq.device
         )
+        self.inv_freq = inv_freq
 
     def forward(self, position_ids: torch.LongTensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids.float()[..., None] * self.inv_freq.to(position_ids.device)[None, None, :]
+        inv_freq = self.inv_freq.to(position_ids.device)
+        if self.rope_type == "dynamic" and position_ids.numel():
+            seq_len = int(position_ids.max()) + 1
+            if seq_len > self.max_position_embeddings:
+                inv_freq = rope_parameters(
+                    self.head_dim, self.theta, self.scaling, self.max_position_embeddings, seq_len, position_ids.device
+                )[0]
+        freqs = position_ids.float()[..., None] * inv_freq[None, None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        scale = self.attention_scaling
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -119,6 +379,7 @@ def slot_attention(
     v: torch.Tensor,
     key_valid: torch.Tensor,
     causal: bool = True,
+    attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA over a slot cache.
 
@@ -127,6 +388,8 @@ def slot_attention(
         k, v: ``(batch, kv_heads, S, d)`` all slots, including the ``T`` new ones at the end.
         key_valid: ``(batch, S)`` bool.
         causal: new slot ``t`` only sees slots up to itself (False: the new slots see each other fully).
+        attn_mask: ``(batch, T, S)`` bool, an explicit pattern (e.g. tree drafting: each node sees the verified
+            slots and its ancestors' slots); replaces ``causal`` and is combined with ``key_valid``.
     """
     bsz, heads, t, _ = q.shape
     s = k.shape[2]
@@ -137,7 +400,9 @@ def slot_attention(
     mask = key_valid[:, None, None, :].expand(bsz, 1, t, s)
     q_slot = torch.arange(s - t, s, device=q.device)
     k_slot = torch.arange(s, device=q.device)
-    if causal:
+    if attn_mask is not None:
+        mask = mask & attn_mask.to(device=q.device, dtype=torch.bool)[:, None]
+    elif causal:
         mask = mask & (k_slot[None, :] <= q_slot[:, None])[None, None]
     # A query always sees itself, so rows of pure padding never produce NaNs.
     mask = mask | (k_slot[None, :] == q_slot[:, None])[None, None]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -13,7 +14,19 @@ from transformers import PreTrainedModel
 from .configuration_utils import DrafterConfig, get_text_config
 from .generation.proposals import DraftInputs, Proposal, TokenSelector
 
-__all__ = ["DrafterPreTrainedModel", "DraftLossOutput", "target_lm_head_device"]
+__all__ = [
+    "DrafterPreTrainedModel",
+    "DraftLossOutput",
+    "DEFAULT_LOSS_RATES",
+    "register_drafter_publisher",
+    "target_lm_head_device",
+]
+
+
+DEFAULT_LOSS_RATES: dict[str, tuple[str, str]] = {
+    "acc": ("correct", "valid"),
+    "simulated_tau": ("walk_tokens", "walk_passes"),
+}
 
 
 @dataclass
@@ -22,17 +35,49 @@ class DraftLossOutput:
 
     Attributes:
         loss: scalar training loss.
-        correct: ``(K,)`` number of anchors whose draft at depth ``j`` equals the target's argmax (teacher forced).
-        valid: ``(K,)`` number of anchors scored at depth ``j``.
-        chain_correct: ``(K,)`` number of anchors whose drafts at depths ``0..j`` are all correct.
-        anchors: number of anchors (positions where a chain can start).
+        metrics: summable tensors (any shape, fixed per family), e.g. ``correct`` / ``valid`` per depth or head
+            (``(n,)``: anchors whose draft at depth ``j`` equals the target's choice / anchors scored there), and
+            the walk statistics of :func:`hf_specdec.features.walk_metrics`. The trainer sums every key over
+            batches and processes, so their sizes need not equal the number of draft tokens.
+        rates: derived metrics ``name -> (numerator key, denominator key)``, computed by the trainer after the sums
+            (a vector numerator gives ``name_0, name_1, ...``). Defaults: ``acc_j = correct / valid`` and
+            ``simulated_tau = walk_tokens / walk_passes``.
+        accepted: optional ``(batch, seq)`` teacher-forced accepted drafts per anchor (for
+            :func:`hf_specdec.features.walk_passes`); not aggregated.
     """
 
     loss: torch.Tensor
-    correct: torch.Tensor
-    valid: torch.Tensor
-    chain_correct: torch.Tensor
-    anchors: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    rates: dict[str, tuple[str, str]] = field(default_factory=lambda: dict(DEFAULT_LOSS_RATES))
+    accepted: torch.Tensor | None = None
+
+
+_PUBLISHER: dict[str, Any] = {}
+
+
+def register_drafter_publisher(push: Any) -> None:
+    """Sets the function :meth:`DrafterPreTrainedModel.push_to_hub` uploads with:
+    ``push(folder, repo_id, **options)`` (``hf_specdec.cards.push_drafter``: weights plus a generated model card).
+
+    A registration keeps this core module free of imports from the publishing layer.
+    """
+    _PUBLISHER["push"] = push
+
+
+def adapter_fingerprint(model: nn.Module) -> str:
+    """SHA-256 over the active peft adapter's weights (names, shapes, values) of a ``PeftModel``."""
+    import hashlib
+
+    from peft import get_peft_model_state_dict
+
+    digest = hashlib.sha256()
+    state = get_peft_model_state_dict(model)
+    for name in sorted(state):
+        tensor = state[name].detach().to("cpu", torch.float32).contiguous()
+        digest.update(name.encode())
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(tensor.numpy().tobytes())
+    return digest.hexdigest()
 
 
 def target_lm_head_device(target: nn.Module) -> torch.device:
@@ -56,6 +101,10 @@ class DrafterPreTrainedModel(PreTrainedModel):
     * ``proposal_kind``: ``"chain"``, ``"tree"`` or ``"block"``.
     * ``requires_target_hidden_states``: the loop asks the target for ``output_hidden_states``.
     * ``borrows_target_embeddings`` / ``borrows_target_lm_head``: which target modules the family uses.
+    * ``loss_kwargs``: the keyword arguments :meth:`compute_loss` takes (the trainer refuses others; ramped ones come
+      from :meth:`loss_schedule`).
+    * ``trains_target_adapter``: the trainer puts :meth:`target_adapter_config` on the target and trains it with the
+      drafter, in the groups of :meth:`optimizer_param_groups` (self-distilled joint fine-tuning).
 
     The proposal interface the loop calls:
 
@@ -75,6 +124,19 @@ class DrafterPreTrainedModel(PreTrainedModel):
     borrows_target_embeddings: ClassVar[bool] = False
     borrows_target_lm_head: ClassVar[bool] = False
     lora_target_modules: ClassVar[tuple[str, ...]] = ()  # module names LoRA adapts (``--lora``)
+    # Decoding capabilities (read by the loop):
+    # - requires_target_logits: `observe` receives the target's raw logits for every verified slot, the prefill too;
+    # - supports_tree_drafting: implements `tree_start` / `tree_expand`, so tree policies (`tree="eagle2"`, static
+    #   trees) can grow trees from it;
+    # - draft_options: `generate` keyword -> default, options this family's `propose` takes (routed by the hook,
+    #   handed to `init_draft_state` through `self.draft_options_in_use`).
+    requires_target_logits: ClassVar[bool] = False
+    supports_tree_drafting: ClassVar[bool] = False
+    draft_options: ClassVar[dict[str, Any]] = {}
+    # Training capabilities (read by the trainer): the keyword arguments `compute_loss` accepts besides its three
+    # (the trainer refuses any other), and whether the family trains a peft adapter on the target with it.
+    loss_kwargs: ClassVar[tuple[str, ...]] = ()
+    trains_target_adapter: ClassVar[bool] = False
 
     def __init__(self, config: DrafterConfig, *args, **kwargs):
         config.validate_drafter(require_complete=True)
@@ -142,7 +204,15 @@ class DrafterPreTrainedModel(PreTrainedModel):
             problems.append(f"vocabulary size: drafter expects {cfg.target_vocab_size}, target {name} has {vocab}")
         if self.requires_target_hidden_states:
             layers = getattr(text, "num_hidden_layers", None)
-            if layers != cfg.target_num_hidden_layers:
+            if cfg.target_num_hidden_layers is None:  # unresolved (foreign checkpoint): the ids must fit the target
+                if not isinstance(layers, int):
+                    problems.append(f"depth: target {name} does not say how many layers it has (num_hidden_layers)")
+                elif any(not 0 <= i <= layers for i in cfg.target_layer_ids or ()):
+                    problems.append(
+                        f"feature layers: drafter reads target_layer_ids={cfg.target_layer_ids}, target {name} "
+                        f"has {layers} layers (valid ids 0..{layers})"
+                    )
+            elif layers != cfg.target_num_hidden_layers:
                 problems.append(
                     f"number of layers: drafter reads target_layer_ids={cfg.target_layer_ids} of a "
                     f"{cfg.target_num_hidden_layers}-layer target, target {name} has {layers} layers"
@@ -166,6 +236,8 @@ class DrafterPreTrainedModel(PreTrainedModel):
         if self.bound_target is target:
             return self
         self.check_target_compatibility(target)
+        self.check_target_adapter(target)
+        self.resolve_target_facts(target)
         bound = {"target": target}
         if self.borrows_target_embeddings:
             emb = target.get_input_embeddings()
@@ -182,6 +254,80 @@ class DrafterPreTrainedModel(PreTrainedModel):
         if self.device != device:
             self.to(device)
         return self
+
+    def check_target_adapter(self, target: nn.Module) -> None:
+        """Refuses a target without the adapter this drafter was trained with (``config.target_adapter``).
+
+        A drafter trained jointly with a target adapter drafts for the *adapted* target; on the plain target it
+        would still be lossless but draft for the wrong model, and on another adapter likewise. Load the right one
+        with :meth:`adapt_target`.
+        """
+        required = self.config.target_adapter
+        if not required:
+            return
+        where = self.name_or_path or "the drafter's folder"
+        if not hasattr(target, "peft_config"):
+            raise ValueError(
+                f"{type(self).__name__} was trained together with a target adapter and needs the adapted target; "
+                f"got a plain {type(target).__name__}. Load it with `target = drafter.adapt_target(target)` (the "
+                f"adapter is in {os.path.join(str(where), required.get('subfolder', ''))})."
+            )
+        found = adapter_fingerprint(target)
+        if found != required.get("fingerprint"):
+            raise ValueError(
+                f"The target's adapter (fingerprint {found[:12]}) is not the one {type(self).__name__} was trained "
+                f"with ({str(required.get('fingerprint'))[:12]}). Load the drafter's own adapter with "
+                "`target = drafter.adapt_target(base_target)`."
+            )
+
+    def adapt_target(self, target: nn.Module) -> nn.Module:
+        """The target with this drafter's trained adapter loaded (``peft.PeftModel``), ready for ``generate``."""
+        required = self.config.target_adapter
+        if not required:
+            raise ValueError(f"{type(self).__name__} declares no target adapter; use the target as it is.")
+        from peft import PeftModel
+
+        source = str(self.name_or_path or "")
+        folder = os.path.join(source, required["subfolder"])
+        if os.path.isdir(folder):
+            adapted = PeftModel.from_pretrained(target, folder)
+        elif source and not os.path.isdir(source):  # a Hub id: the adapter is a subfolder of that repository
+            adapted = PeftModel.from_pretrained(target, source, subfolder=required["subfolder"])
+        else:
+            raise ValueError(
+                f"The target adapter of this drafter is expected in {folder}, which does not exist. Load the drafter "
+                "from the folder `hf-specdec train` wrote (it holds the adapter next to the drafter's weights)."
+            )
+        adapted = adapted.eval()
+        self.check_target_adapter(adapted)
+        return adapted
+
+    def resolve_target_facts(self, target: nn.Module) -> None:
+        """Fills in target facts the checkpoint did not record, from ``target`` (called by :meth:`bind_target`).
+
+        Checkpoints in other projects' layouts do not record the target's depth, hence the family's default
+        ``target_layer_ids``; like vLLM, hf_specdec resolves them when the drafter meets its target, then checks
+        them (config ranges and :meth:`check_target_layer_ids`). A resolved drafter is tied to that depth.
+        """
+        cfg = self.config
+        if cfg.target_num_hidden_layers is not None:
+            return
+        layers = int(get_text_config(target.config).num_hidden_layers)
+        ids = cfg.target_layer_ids
+        if ids is None:
+            ids = cfg.default_target_layer_ids(layers)
+        old = (cfg.target_num_hidden_layers, cfg.target_layer_ids)
+        cfg.target_num_hidden_layers, cfg.target_layer_ids = layers, None if ids is None else [int(i) for i in ids]
+        try:
+            cfg.validate_drafter(require_complete=True)
+            self.check_target_layer_ids()
+        except ValueError as err:
+            cfg.target_num_hidden_layers, cfg.target_layer_ids = old
+            raise ValueError(f"{type(self).__name__} cannot be bound to this {layers}-layer target: {err}") from err
+
+    def check_target_layer_ids(self) -> None:
+        """Family hook: raises `ValueError` when ``config.target_layer_ids`` do not fit the weights (e.g. the number
+        of fused features). Run after :meth:`resolve_target_facts`."""
 
     def unbind_target(self) -> None:
         self.__dict__["_bound"] = {}
@@ -215,8 +361,15 @@ class DrafterPreTrainedModel(PreTrainedModel):
     def target_layer_ids(self) -> list[int] | None:
         return self.config.target_layer_ids
 
-    def select_target_features(self, hidden_states: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-        """Picks ``config.target_layer_ids`` out of an ``output_hidden_states`` tuple, on the drafter's device."""
+    def target_hidden_state_ids(self) -> list[int]:
+        """The ``output_hidden_states`` indices this drafter reads (the loop asks the target for these only)."""
+        return list(self.config.target_layer_ids or []) if self.requires_target_hidden_states else []
+
+    def select_target_features(self, hidden_states: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
+        """Picks ``config.target_layer_ids`` out of an ``output_hidden_states`` tuple, on the drafter's device.
+
+        The tuple may hold ``None`` for layers that were not captured (``output_hidden_states=[ids]``).
+        """
         ids = self.config.target_layer_ids or []
         if hidden_states is None or len(hidden_states) != self.config.target_num_hidden_layers + 1:
             got = None if hidden_states is None else len(hidden_states)
@@ -225,6 +378,9 @@ class DrafterPreTrainedModel(PreTrainedModel):
                 f"{got} hidden states (expected {self.config.target_num_hidden_layers + 1}: embeddings + one per "
                 "layer). The target must support `output_hidden_states=True`."
             )
+        missing = [i for i in ids if hidden_states[i] is None]
+        if missing:
+            raise ValueError(f"{type(self).__name__} reads target hidden states {missing}, which were not captured.")
         return [hidden_states[i].to(device=self.device, dtype=self.dtype) for i in ids]
 
     # ------------------------------------------------------------------------------------------------------------
@@ -243,21 +399,73 @@ class DrafterPreTrainedModel(PreTrainedModel):
         raise NotImplementedError(f"{type(self).__name__} must implement `observe`.")
 
     def propose(self, state: Any, num_tokens: int, select: TokenSelector) -> Proposal:
-        """Drafts ``num_tokens`` tokens continuing each row's verified context."""
+        """Drafts up to ``num_tokens`` tokens continuing each row's verified context.
+
+        A drafter may propose fewer tokens, per row (``Proposal.lengths``), e.g. when its confidence drops; it
+        learns what was accepted from ``DraftInputs.feedback`` at the next :meth:`observe`.
+        """
         raise NotImplementedError(f"{type(self).__name__} must implement `propose`.")
+
+    def tree_start(self, state: Any):
+        """Tree drafting: ``(root_logits, vocab_ids)``, the draft distribution after the last verified token
+        (``(batch, draft_vocab)``) and the target ids of the draft vocabulary (``None``: the full vocabulary).
+        Families with ``supports_tree_drafting`` implement it (see :mod:`hf_specdec.tree`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft trees.")
+
+    def tree_expand(self, state: Any, expansion) -> torch.Tensor:
+        """Tree drafting: the draft distribution after each node of a :class:`~hf_specdec.tree.TreeExpansion`,
+        ``(batch, M, draft_vocab)``."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft trees.")
 
     # ------------------------------------------------------------------------------------------------------------
     # training interface (implemented by each family; the trainer never branches on the family)
     # ------------------------------------------------------------------------------------------------------------
-    def compute_loss(self, batch: dict, features: Any, target_head: nn.Module | None = None) -> DraftLossOutput:
+    def compute_loss(
+        self, batch: dict, features: Any, target_head: nn.Module | None = None, **loss_kwargs
+    ) -> DraftLossOutput:
         """The family's training objective on a right-padded batch.
 
         Args:
             batch: ``input_ids``, ``attention_mask``, ``loss_mask`` (1 on tokens to learn to predict), ``(B, T)``.
-            features: :class:`~hf_specdec.training.features.TargetFeatures` of the frozen target for the batch.
+            features: :class:`~hf_specdec.features.TargetFeatures` of the target for the batch (soft labels and
+                soft-capped logits come from its ``soft_labels`` / ``logits``).
             target_head: the target's LM head (soft labels are recomputed from ``features.last_hidden``).
+            **loss_kwargs: only the names the family lists in ``loss_kwargs`` (e.g. a loss weight the trainer
+                ramps through :meth:`loss_schedule`).
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement `compute_loss` yet.")
+
+    def loss_schedule(self, step: int, total_steps: int) -> dict[str, Any]:
+        """Loss kwargs that change during training (e.g. a ramped loss weight), for optimizer step ``step``
+        (0-based) of ``total_steps``. Keys must be in ``loss_kwargs``. Default: none."""
+        return {}
+
+    def target_adapter_config(self):
+        """The peft config (e.g. a ``LoraConfig``) of the target adapter a family with ``trains_target_adapter``
+        trains together with the drafter."""
+        raise NotImplementedError(f"{type(self).__name__} sets trains_target_adapter but has no adapter config.")
+
+    def optimizer_param_groups(
+        self, learning_rate: float, weight_decay: float, adapter_parameters: list[nn.Parameter] | None = None
+    ) -> list[dict]:
+        """Optimizer parameter groups over the trainable drafter parameters and the target adapter's.
+
+        Every trainable parameter must appear in exactly one group; a group without ``lr`` uses ``learning_rate``.
+        Default: weight decay on matrices only, one learning rate for all (adapter included).
+        """
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        if adapter_parameters:
+            groups.append({"params": list(adapter_parameters), "weight_decay": weight_decay})
+        return [g for g in groups if g["params"]]
+
+    def init_from_target(self, target: nn.Module) -> None:
+        """Target-dependent initialisation of a fresh drafter before training, e.g. heads whose output layer starts
+        as a copy of the target's LM head (residual heads). Called by the trainer on a drafter that does not resume
+        from a checkpoint, after :meth:`bind_target`. Default: nothing."""
 
     def init_from_data(self, token_counts: torch.Tensor) -> None:
         """Data-dependent initialisation before training (e.g. a reduced draft vocabulary from token frequencies).
@@ -284,16 +492,20 @@ class DrafterPreTrainedModel(PreTrainedModel):
 
         The card (:func:`hf_specdec.cards.drafter_card`) names the target as ``base_model`` (pass it when the
         config's target name is a local path), and takes its results table from an ``hf-specdec bench`` JSON.
+        The upload itself is done by the publisher registered with :func:`register_drafter_publisher`
+        (``hf_specdec.cards`` registers one when ``hf_specdec`` is imported; this layer never imports it).
         """
         import tempfile
 
-        from .cards import push_drafter
-
+        if _PUBLISHER.get("push") is None:
+            raise RuntimeError(
+                "No drafter publisher is registered: `import hf_specdec` (which registers hf_specdec.cards') first."
+            )
         if kwargs:
             raise TypeError(f"push_to_hub got unsupported arguments {sorted(kwargs)}.")
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(tmp)
-            return push_drafter(
+            return _PUBLISHER["push"](
                 tmp,
                 repo_id,
                 private=private,

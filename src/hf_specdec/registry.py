@@ -9,17 +9,34 @@ from transformers import AutoConfig
 from .configuration_utils import DrafterConfig
 from .modeling_utils import DrafterPreTrainedModel
 
-__all__ = ["DrafterSpec", "register_drafter", "get_drafter_spec", "DRAFTERS"]
+__all__ = ["DrafterSpec", "register_drafter", "get_drafter_spec", "default_drafter_spec", "DRAFTERS"]
 
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    """What the library knows about one drafter family."""
+    """What the library knows about one drafter family; consumers (CLI, cards, bench, training) read it instead of
+    naming families.
 
-    name: str  # short CLI name, e.g. "eagle3"
+    Attributes:
+        name: short CLI name (``hf-specdec train --drafter NAME``).
+        config_class / model_class: the family's config and ``DrafterPreTrainedModel`` subclass.
+        description: one line for ``hf-specdec families``.
+        display_name: how people write the method (model cards, reports, demo); defaults to ``name``.
+        card_description: a paragraph for the model card on how the drafter works.
+        default: the family used when a command is given no ``--drafter`` (one family sets it).
+    """
+
+    name: str
     config_class: type[DrafterConfig]
     model_class: type[DrafterPreTrainedModel]
     description: str = ""
+    display_name: str = ""
+    card_description: str = ""
+    default: bool = False
+
+    @property
+    def label(self) -> str:
+        return self.display_name or self.name
 
     @property
     def model_type(self) -> str:
@@ -30,9 +47,18 @@ DRAFTERS: dict[str, DrafterSpec] = {}
 
 
 def register_drafter(
-    name: str, config_class: type[DrafterConfig], model_class: type[DrafterPreTrainedModel], description: str = ""
+    name: str,
+    config_class: type[DrafterConfig],
+    model_class: type[DrafterPreTrainedModel],
+    description: str = "",
+    *,
+    display_name: str = "",
+    card_description: str = "",
+    default: bool = False,
 ) -> DrafterSpec:
     """Registers a drafter family with hf_specdec, ``AutoConfig`` and ``AutoModelForDrafting``.
+
+    A family calls this once, from its ``models/<family>/__init__.py``; see :class:`DrafterSpec` for the fields.
 
     ``config_class.model_type`` must end in ``"_drafter"`` so it can never collide with a transformers model type.
     """
@@ -45,7 +71,9 @@ def register_drafter(
         raise ValueError(f"{model_class.__name__}.config_class must be {config_class.__name__}.")
     if name in DRAFTERS and DRAFTERS[name].model_class is not model_class:
         raise ValueError(f"A drafter family named {name!r} is already registered.")
-    spec = DrafterSpec(name, config_class, model_class, description)
+    if default and any(s.default and s.name != name for s in DRAFTERS.values()):
+        raise ValueError(f"Another family is already the default; {name!r} cannot be one too.")
+    spec = DrafterSpec(name, config_class, model_class, description, display_name, card_description, default)
     if name not in DRAFTERS:
         AutoConfig.register(model_type, config_class, exist_ok=True)
         AutoModelForDrafting.register(config_class, model_class, exist_ok=True)
@@ -53,8 +81,15 @@ def register_drafter(
     return spec
 
 
+def default_drafter_spec() -> DrafterSpec:
+    """The family a command uses when given none (the one registered with ``default=True``, else the first)."""
+    if not DRAFTERS:
+        raise ValueError("No drafter family is registered.")
+    return next((s for s in DRAFTERS.values() if s.default), next(iter(DRAFTERS.values())))
+
+
 def get_drafter_spec(name_or_type: str) -> DrafterSpec:
-    """Looks a family up by short name (``"eagle3"``) or ``model_type`` (``"eagle3_drafter"``)."""
+    """Looks a family up by short name (``spec.name``) or ``model_type`` (``"<name>_drafter"``)."""
     for spec in DRAFTERS.values():
         if name_or_type in (spec.name, spec.model_type):
             return spec

@@ -1,7 +1,7 @@
 """``hf-specdec selfcheck``: verifies an installation end to end on tiny models built from configs (no network).
 
 For each architecture and batch size it compares plain greedy ``generate`` with speculative ``generate`` using
-(a) a fresh EAGLE-3 drafter and (b) a replay drafter that proposes the target's own continuation with some tokens
+(a) a fresh (untrained) drafter of every family hf_specdec ships and (b) a replay drafter that proposes the target's own continuation with some tokens
 corrupted, and prints whether the outputs are identical, the mean accepted length τ and the target passes saved.
 """
 
@@ -11,8 +11,9 @@ import time
 
 import torch
 
+from . import models
 from .auto import AutoModelForDrafting
-from .models import Eagle3Config
+from .registry import DRAFTERS
 from .testing import make_oracle_drafter, ragged_batch, tiny_target
 
 __all__ = ["run_selfcheck"]
@@ -29,9 +30,16 @@ def run_selfcheck(
     rows, all_ok = [], True
     for arch in architectures:
         target = tiny_target(arch, seed=1)
-        eagle = AutoModelForDrafting.from_config(
-            Eagle3Config.for_target(target.config, num_draft_tokens=num_draft_tokens)
-        ).eval()
+        fresh = [
+            (
+                f"{spec.name} (untrained)",
+                AutoModelForDrafting.from_config(
+                    spec.config_class.for_target(target.config, num_draft_tokens=num_draft_tokens)
+                ).eval(),
+            )
+            for spec in DRAFTERS.values()
+            if spec.model_class.__module__.startswith(models.__name__ + ".")  # the families hf_specdec ships
+        ]
         for bsz in batch_sizes:
             ids, mask = ragged_batch(bsz, seed=bsz)
             kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None)
@@ -40,7 +48,7 @@ def run_selfcheck(
             t_plain = time.perf_counter() - t0
             cont = torch.cat([ref[:, ids.shape[1] :], ref[:, -1:].repeat(1, num_draft_tokens + 1)], dim=1)
             replay = make_oracle_drafter(target, cont, corruption=0.2, num_draft_tokens=num_draft_tokens)
-            for name, drafter in (("eagle3 (untrained)", eagle), ("replay, 20% corrupted", replay)):
+            for name, drafter in (*fresh, ("replay, 20% corrupted", replay)):
                 t0 = time.perf_counter()
                 out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
                 t_spec = time.perf_counter() - t0

@@ -90,8 +90,10 @@ def drafter_method(
     num_draft_tokens: int | None = None,
     verifier: str | None = None,
     verifier_options: dict | None = None,
+    draft_options: dict | None = None,
 ) -> BenchMethod:
-    """An hf_specdec drafter (``target.generate(assistant_model=drafter)``)."""
+    """An hf_specdec drafter (``target.generate(assistant_model=drafter)``), optionally with a verifier and drafting
+    options (e.g. ``{"tree": "eagle2", "tree_depth": 5}``)."""
     from ..verification import VERIFIERS
 
     kwargs: dict = {"assistant_model": drafter, "spec_timing": True}
@@ -105,15 +107,25 @@ def drafter_method(
         approximate = bool(VERIFIERS[verifier].approximate)
     if verifier_options:
         kwargs["verifier_options"] = dict(verifier_options)
+    if draft_options:
+        kwargs["draft_options"] = dict(draft_options)
     if name is None:
         family = drafter.config.model_type.removesuffix("_drafter")
         source = os.path.basename(str(getattr(drafter, "name_or_path", "") or "").rstrip("/")) or "drafter"
         k = num_draft_tokens or drafter.config.num_draft_tokens
         label = verifier or ""
-        if verifier == "asd" and verifier_options:
-            short = {"budget": "B", "gate": "g", "block_cap": "M"}
+        if verifier is not None and verifier_options:
+            short = VERIFIERS[verifier].option_labels
             label += " " + " ".join(f"{short.get(key, key)}={value}" for key, value in verifier_options.items())
-        name = f"{family}:{source} K={k}" + (f" [{label}]" if label else "")
+        shape = f"K={k}"
+        if draft_options and draft_options.get("tree"):
+            sizes = [
+                str(draft_options[key])
+                for key in ("tree_depth", "tree_top_k", "tree_total_tokens")
+                if key in draft_options
+            ]
+            shape = f"tree={draft_options['tree']}" + (f"({','.join(sizes)})" if sizes else "")
+        name = f"{family}:{source} {shape}" + (f" [{label}]" if label else "")
     return BenchMethod(name=name, kind="drafter", model=drafter, generate_kwargs=kwargs, approximate=approximate)
 
 

@@ -1,9 +1,10 @@
 """The decoding loop, its data types and the ``generate`` hook."""
 
 from .hook import install_generate_hook, is_generate_hook_installed, uninstall_generate_hook
+from .logits import register_stateless_logits_processor
 from .loop import speculative_generate
 from .outputs import SpeculativeDecoderOnlyOutput
-from .proposals import DraftInputs, Proposal, TokenSelector
+from .proposals import DraftInputs, Proposal, TokenSelector, VerificationFeedback
 
 __all__ = [
     "speculative_generate",
@@ -11,6 +12,8 @@ __all__ = [
     "Proposal",
     "DraftInputs",
     "TokenSelector",
+    "VerificationFeedback",
+    "register_stateless_logits_processor",
     "install_generate_hook",
     "uninstall_generate_hook",
     "is_generate_hook_installed",

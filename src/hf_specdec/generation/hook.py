@@ -72,7 +72,7 @@ def _route(self, original, bound: inspect.BoundArguments):
     args["assistant_model"] = None
     args["custom_generate"] = speculative_generate
     kwargs["drafter"] = drafter
-    _move_verifier_options(kwargs)
+    _move_verifier_options(kwargs, drafter)
     if "num_assistant_tokens" in kwargs:
         kwargs["num_draft_tokens"] = kwargs.pop("num_assistant_tokens")
     streamer = args.pop("streamer", None)
@@ -82,20 +82,31 @@ def _route(self, original, bound: inspect.BoundArguments):
     return original(self, **args, **kwargs)
 
 
-def _move_verifier_options(kwargs: dict) -> None:
-    """``asd_budget=...`` and friends are verifier options, not model inputs: move them into ``verifier_options``."""
-    from ..verification import ASD_OPTION_NAMES
+def _move_verifier_options(kwargs: dict, drafter) -> None:
+    """Routes option keywords to their owners: a verifier's declared options (e.g. ``asd_budget``) into
+    ``verifier_options`` (only with that verifier), tree options and the drafter family's own options into
+    ``draft_options``. Nothing here names a verifier or a family: each declares its options."""
+    from ..tree.policies import TREE_OPTIONS
+    from ..verification import VERIFIERS, verifier_option_owner
 
-    given = {key: kwargs.pop(key) for key in list(kwargs) if key in ASD_OPTION_NAMES}
-    if not given:
-        return
     verifier = kwargs.get("verifier")
-    if verifier != "asd":
-        raise ValueError(f"{sorted(given)} are options of the ASD verifier: pass verifier='asd' as well.")
     options = dict(kwargs.get("verifier_options") or {})
-    for key, value in given.items():
-        options[ASD_OPTION_NAMES[key]] = value
-    kwargs["verifier_options"] = options
+    draft = dict(kwargs.get("draft_options") or {})
+    for key in list(kwargs):
+        owner = verifier_option_owner(key)
+        if owner is not None:
+            chosen = VERIFIERS.get(verifier) if isinstance(verifier, str) else type(verifier)
+            if chosen is not owner:
+                raise ValueError(
+                    f"{key!r} is an option of the {owner.name!r} verifier: pass verifier={owner.name!r} as well."
+                )
+            options[owner.generate_options[key]] = kwargs.pop(key)
+        elif key in TREE_OPTIONS or key in type(drafter).draft_options:
+            draft[key] = kwargs.pop(key)
+    if options:
+        kwargs["verifier_options"] = options
+    if draft:
+        kwargs["draft_options"] = draft
 
 
 def _move_stop_strings(model, args: dict, kwargs: dict) -> None:

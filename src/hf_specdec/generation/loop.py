@@ -1,12 +1,24 @@
-"""The speculative decoding loop: one function, generic over drafters (proposal kinds) and verifiers.
+"""The speculative decoding loop: one loop, generic over drafters (chains, variable-length chains, trees, blocks) and
+verifiers (greedy, lossless sampling, typical acceptance, ASD).
 
 Reached from ``target.generate(..., assistant_model=drafter)`` (see :mod:`hf_specdec.generation.hook`) or from
 ``target.generate(..., custom_generate=hf_specdec.speculative_generate, drafter=drafter)``.
 
-Batching: rows accept different numbers of tokens per step. Rather than per-row cache surgery, every token fed to
-the target keeps a slot in its KV cache; slots of rejected draft tokens are masked out with zeros in the 2-D attention
-mask, positions are passed explicitly so they skip those slots, and trailing slots rejected by every row are cropped.
-With batch size 1 the cache is simply cropped, so no slot is ever wasted.
+The loop has three named parts, each readable on its own:
+
+* :class:`TargetPasses` runs the target: the prefill, then one pass per step over ``[last committed token, draft
+  nodes]``. It owns the KV cache, the positions and the masks. Batched rows accept different numbers of tokens; rather
+  than per-row cache surgery, every token fed to the target keeps a slot in the cache, slots of rejected tokens are
+  masked out with zeros in the 2-D attention mask, and positions are passed explicitly so that they skip those slots.
+  Trees are verified with ``position_ids`` = committed length + depth and a 4-D mask (each node sees the committed
+  slots and its ancestors); afterwards the accepted path is compacted into place in the cache. With batch size 1 and
+  no padding the cache is simply cropped, so no slot is ever wasted.
+* :class:`Committer` appends accepted tokens per row and applies the stopping rules (EOS, length, custom criteria),
+  the streamer, and the ``output_scores`` / ``output_logits`` log.
+* :class:`LoopStats` keeps the timings and the per-pass acceptance and draft lengths.
+
+:func:`speculative_generate` ties them together: prefill, then ``propose -> target pass -> verify -> commit -> keep
+the accepted path -> feed back to the drafter`` until every row has finished.
 """
 
 from __future__ import annotations
@@ -18,18 +30,22 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
+from ..tree.policies import TREE_OPTIONS, make_tree_policy
+from ..tree.structure import ancestor_matrix, node_depths, validate_parents
 from ..verification import get_verifier
 from .logits import ScoreProcessor
 from .outputs import SpeculativeDecoderOnlyOutput
-from .proposals import DraftInputs, Proposal
+from .proposals import DraftInputs, Proposal, VerificationFeedback
 
-__all__ = ["speculative_generate"]
+__all__ = ["speculative_generate", "TargetPasses", "Committer", "LoopStats"]
 
 _KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep", "past_key_values"}
+# Attention implementations that take a custom 4-D mask (bool for sdpa, additive float for eager).
+_TREE_ATTENTION = ("sdpa", "eager")
 
 
 class _DraftSelector:
-    """Token selection for drafters: same logits processors and decoding mode as the verifier."""
+    """Token selection for chain drafters: same logits processors and decoding mode as the verifier."""
 
     def __init__(
         self, processor: ScoreProcessor, seq: torch.Tensor, lengths: torch.Tensor, do_sample: bool, gen, vocab_size
@@ -144,6 +160,323 @@ def _split_stopping_criteria(stopping_criteria: StoppingCriteriaList | None):
     return eos_ids, others
 
 
+def _resolve_options(generation_config, verifier, verifier_options, draft_options, drafter):
+    """Verifier, verifier options and draft options from the call, falling back to frozen ``GenerationConfig``
+    attributes (e.g. ``generation_config.verifier = "asd"``, ``.asd_budget = 8``, ``.tree = "eagle2"``)."""
+    from ..verification import VERIFIERS
+
+    verifier_options = dict(verifier_options or {})
+    draft_options = dict(draft_options or {})
+    if verifier is None:
+        verifier = getattr(generation_config, "verifier", None)
+    cls = VERIFIERS.get(verifier) if isinstance(verifier, str) else None
+    for key, arg in (cls.generate_options if cls is not None else {}).items():
+        value = getattr(generation_config, key, None)
+        if value is not None:
+            verifier_options.setdefault(arg, value)
+    for key in (*TREE_OPTIONS, *type(drafter).draft_options):
+        value = getattr(generation_config, key, None)
+        if value is not None:
+            draft_options.setdefault(key, value)
+    unknown = sorted(set(draft_options) - set(TREE_OPTIONS) - set(type(drafter).draft_options))
+    if unknown:
+        raise ValueError(
+            f"Unknown drafting option(s) {unknown} for {type(drafter).__name__}. Tree options: {list(TREE_OPTIONS)}; "
+            f"this family's options: {sorted(type(drafter).draft_options) or 'none'}."
+        )
+    return verifier, verifier_options, draft_options
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the target side
+# ------------------------------------------------------------------------------------------------------------------
+class TargetPasses:
+    """Runs the target over the prompt and over each proposal, and keeps its KV cache in step with what is committed.
+
+    Attributes:
+        cache: the target's ``DynamicCache``.
+        slot_mask: ``(batch, slots)`` 1 for live cache slots, 0 for padding and rejected tokens (``None`` when no
+            slot can ever be dead: batch size 1 without padding).
+        next_pos: ``(batch,)`` the position of the next token of each row.
+    """
+
+    def __init__(self, model, drafter, attention_mask, position_ids, use_slot_mask, cache, in_device, max_width):
+        self.model = model
+        self.in_device = in_device
+        self.cache = cache
+        self.slot_mask = attention_mask if use_slot_mask else None
+        self.next_pos = position_ids[:, -1] + 1
+        self.can_keep_last = _supports_logits_to_keep(model)
+        # Only the target layers the drafter reads are captured (output_hidden_states=[ids]).
+        self.feature_ids = drafter.target_hidden_state_ids() if drafter.requires_target_hidden_states else None
+        if self.feature_ids is not None and not self.feature_ids:
+            self.feature_ids = True  # a drafter that reads features but names none gets them all
+        self.drafter_name = type(drafter).__name__
+        self.attn_impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        self._check_sliding_window(use_slot_mask, max_width)
+
+    def _check_sliding_window(self, use_slot_mask, max_width) -> None:
+        self._sliding = False
+        for layer in getattr(self.cache, "layers", []):
+            if getattr(layer, "is_sliding", False):
+                self._sliding = True
+                self._window = layer.sliding_window
+                layer.activate_past_recording()
+        self._use_slot_mask = use_slot_mask
+        self._max_width = max_width
+
+    def check_window(self, max_length: int, width: int, tree: bool) -> None:
+        """Refuses layouts a sliding-window cache cannot hold (rejected slots or tree nodes would shift the window)."""
+        if not self._sliding:
+            return
+        if (self._use_slot_mask or tree) and max_length + width > self._window:
+            what = "tree proposals" if tree else "batch size > 1 or padding"
+            raise ValueError(
+                f"This target uses sliding-window attention (window {self._window}); with {what}, hf_specdec keeps "
+                "extra slots in the cache, which would shift the window. Use batch size 1 without padding and chain "
+                f"proposals, or max_length <= {self._window - width}."
+            )
+
+    def _forward(self, ids, mask, pos, keep_all: bool):
+        kwargs: dict[str, Any] = {"use_cache": True, "return_dict": True}
+        if self.feature_ids is not None:
+            kwargs["output_hidden_states"] = self.feature_ids
+        if not keep_all and self.can_keep_last:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(
+            input_ids=ids.to(self.in_device),
+            attention_mask=None if mask is None else mask.to(self.in_device),
+            position_ids=pos.to(self.in_device),
+            cache=self.cache,
+            **kwargs,
+        )
+        hidden = out.hidden_states if self.feature_ids is not None else None
+        if self.feature_ids is not None and hidden is None:
+            raise ValueError(
+                f"{type(self.model).__name__} did not return hidden states with output_hidden_states, but "
+                f"{self.drafter_name} reads target features. Use a target that supports output_hidden_states."
+            )
+        return out.logits, hidden
+
+    def prefill(self, input_ids, position_ids, keep_all: bool):
+        return self._forward(input_ids, self.slot_mask, position_ids, keep_all)
+
+    def run(self, last_token: torch.LongTensor, proposal: Proposal):
+        """One pass over ``[last committed token, proposal nodes]``; returns ``(logits, hidden)`` for all of them."""
+        bsz = last_token.shape[0]
+        feed = torch.cat([last_token[:, None], proposal.tokens.to(last_token.device)], dim=1)  # (bsz, W)
+        width = feed.shape[1]
+        if proposal.is_linear:
+            pos = self.next_pos[:, None] + torch.arange(width, device=feed.device)[None]
+            if self.slot_mask is not None:
+                self.slot_mask = torch.cat([self.slot_mask, self.slot_mask.new_ones(bsz, width)], dim=1)
+            return self._forward(feed, self.slot_mask, pos, keep_all=True)
+        parents = proposal.batched_parents().to(feed.device)
+        depth = torch.cat([torch.zeros(bsz, 1, dtype=torch.long, device=feed.device), node_depths(parents)], dim=1)
+        pos = self.next_pos[:, None] + depth
+        past = self.cache.get_seq_length()
+        prev = (
+            self.slot_mask.bool()
+            if self.slot_mask is not None
+            else torch.ones(bsz, past, dtype=torch.bool, device=feed.device)
+        )
+        tree = ancestor_matrix(parents, include_root=True)  # (bsz, W, W): each node sees its ancestors and itself
+        mask = torch.cat([prev[:, None].expand(bsz, width, past), tree], dim=2)[:, None]
+        if self.attn_impl == "eager":
+            dtype = self.model.dtype
+            mask = torch.zeros(mask.shape, dtype=dtype, device=feed.device).masked_fill(~mask, torch.finfo(dtype).min)
+        elif self.attn_impl != "sdpa":
+            raise ValueError(
+                f"Tree proposals need a target attention implementation that takes a 4-D mask ({_TREE_ATTENTION}); "
+                f"this target uses {self.attn_impl!r}. Load it with attn_implementation='sdpa' (or call "
+                "target.set_attn_implementation('sdpa')), or use chain proposals (drop `tree=`)."
+            )
+        if self.slot_mask is not None:
+            self.slot_mask = torch.cat([self.slot_mask, self.slot_mask.new_ones(bsz, width)], dim=1)
+        return self._forward(feed, mask, pos, keep_all=True)
+
+    def keep(self, num_accepted: torch.LongTensor, keep_cols: torch.LongTensor | None, width: int) -> None:
+        """After verification: keep, per row, the slots of the last token and its accepted path; drop the rest.
+
+        ``keep_cols`` (``(batch, n_max + 1)``) are the pass columns to keep in order (trees: the root, then the
+        accepted path); ``None`` for chains, whose accepted path is already in place.
+        """
+        n_max = int(num_accepted.max())
+        kept = n_max + 1
+        if keep_cols is not None and n_max > 0:
+            for layer in getattr(self.cache, "layers", []):
+                for name in ("keys", "values"):
+                    tensor = getattr(layer, name)
+                    start = tensor.shape[2] - width
+                    idx = keep_cols.to(tensor.device)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+                    tensor[:, :, start : start + kept] = tensor[:, :, start:].gather(2, idx)
+        if self.slot_mask is not None:
+            base = self.slot_mask.shape[1] - width
+            offsets = torch.arange(width, device=self.slot_mask.device)[None]
+            self.slot_mask[:, base:] = (offsets <= num_accepted[:, None]).to(self.slot_mask.dtype)
+            self.slot_mask = self.slot_mask[:, : base + kept]
+        if width > kept:
+            self.cache.crop(kept - width)
+        self.next_pos = self.next_pos + num_accepted + 1
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# committing tokens
+# ------------------------------------------------------------------------------------------------------------------
+class Committer:
+    """Appends tokens to each row's buffer and applies the stopping rules, like plain ``generate`` step by step.
+
+    Attributes:
+        seq: ``(batch, buffer)`` left-padded prompt, committed tokens, then scratch space.
+        n_gen: ``(batch,)`` tokens generated per row.
+        finished: ``(batch,)`` rows that hit EOS, a stopping criterion or the length limit.
+    """
+
+    def __init__(self, seq, prompt_len, max_new, eos_ids, other_criteria, log_scores: bool, streamer):
+        self.seq = seq
+        self.prompt_len = prompt_len
+        self.max_new = max_new
+        self.eos_ids = eos_ids
+        self.other_criteria = other_criteria
+        self.log_scores = log_scores
+        self.streamer = streamer
+        bsz = seq.shape[0]
+        self.n_gen = torch.zeros(bsz, dtype=torch.long, device=seq.device)
+        self.finished = torch.zeros(bsz, dtype=torch.bool, device=seq.device)
+        self.score_log: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+
+    @property
+    def lengths(self) -> torch.LongTensor:
+        return self.prompt_len + self.n_gen
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finished.all())
+
+    def remaining(self) -> int:
+        return int((self.max_new - self.n_gen).masked_fill(self.finished, 0).max())
+
+    def commit(self, new_tokens: torch.Tensor, count: torch.Tensor, scores=None, raw=None) -> torch.Tensor:
+        """Appends up to ``count`` tokens per unfinished row; returns how many each row took."""
+        width = new_tokens.shape[1]
+        bsz = new_tokens.shape[0]
+        count = torch.minimum(count.masked_fill(self.finished, 0), self.max_new - self.n_gen)
+        col = torch.arange(width, device=new_tokens.device)[None]
+        if self.eos_ids is not None:
+            is_eos = (new_tokens[..., None] == self.eos_ids).any(-1) & (col < count[:, None])
+            stop = is_eos.any(dim=1)
+            count = torch.where(stop, is_eos.long().argmax(dim=1) + 1, count)
+        else:
+            stop = torch.zeros_like(self.finished)
+        # Scatter without a data-dependent shape: rows keep their old values beyond `count`.
+        pos = (self.prompt_len + self.n_gen)[:, None] + col
+        self.seq.scatter_(1, pos, torch.where(col < count[:, None], new_tokens, self.seq.gather(1, pos)))
+        if self.other_criteria:
+            counts = count.tolist()
+            for b in range(bsz):
+                for j in range(counts[b]):
+                    prefix = self.seq[b : b + 1, : self.prompt_len + int(self.n_gen[b]) + j + 1]
+                    if any(bool(c(prefix, None).any()) for c in self.other_criteria):
+                        count[b] = j + 1
+                        stop[b] = True
+                        break
+        if self.log_scores:
+            self.score_log.append((self.n_gen.clone(), count.clone(), scores, raw))
+        if self.streamer is not None:
+            self.streamer.put(new_tokens[0, : int(count[0])].cpu())
+        self.n_gen = self.n_gen + count
+        self.finished = self.finished | stop | (self.n_gen >= self.max_new)
+        return count
+
+    def sequences(self, pad_value: int) -> torch.LongTensor:
+        total = int(self.n_gen.max())
+        col = torch.arange(total, device=self.seq.device)[None]
+        out = self.seq[:, : self.prompt_len + total].clone()
+        out[:, self.prompt_len :] = torch.where(col < self.n_gen[:, None], out[:, self.prompt_len :], pad_value)
+        return out
+
+    def assemble(self, index: int):
+        """``output_scores`` (``index=2``) or ``output_logits`` (``index=3``) as plain ``generate`` returns them."""
+        if not self.score_log:
+            return None
+        total = int(self.n_gen.max())
+        bsz = self.seq.shape[0]
+        vocab = self.score_log[0][index].shape[-1]
+        buf = torch.zeros(total, bsz, vocab, dtype=torch.float32, device=self.seq.device)
+        for start, cnt, sc, rw in self.score_log:
+            src = sc if index == 2 else rw
+            for b in range(bsz):
+                c = int(cnt[b])
+                if c:
+                    s0 = int(start[b])
+                    buf[s0 : s0 + c, b] = src[b, :c]
+        return tuple(buf.unbind(0))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# statistics
+# ------------------------------------------------------------------------------------------------------------------
+class LoopStats:
+    """Wall-clock split (prefill, draft, target, verify) and per-pass acceptance / draft lengths."""
+
+    def __init__(self, device: torch.device, sync: bool, bsz: int):
+        self.device = device
+        self.sync = sync
+        self.timings = {"draft_s": 0.0, "target_s": 0.0, "verify_s": 0.0}
+        self.accept_log: list[torch.Tensor] = []  # per pass: (batch,) tokens committed
+        self.draft_log: list[torch.Tensor] = []  # per pass: (batch,) draft tokens proposed
+        self.draft_steps = 0  # sequential draft positions, counted once per batch
+        self.stats_log: dict[str, list[torch.Tensor]] = {}
+        self.forwards = torch.zeros(bsz, dtype=torch.long, device=device)
+        self.t_start = self.clock()
+
+    def clock(self) -> float:
+        if self.sync:
+            synchronize(self.device)
+        return time.perf_counter()
+
+    def add(self, key: str, since: float) -> float:
+        now = self.clock()
+        self.timings[key] = self.timings.get(key, 0.0) + now - since
+        return now
+
+    def log_verifier(self, stats: dict, finished: torch.Tensor) -> None:
+        for key, value in stats.items():
+            self.stats_log.setdefault(key, []).append(value.to(finished.device).masked_fill(finished, 0))
+
+    def finish(self) -> None:
+        self.timings["total_s"] = self.clock() - self.t_start
+        self.timings["draft_steps"] = self.draft_steps
+        self.timings["passes"] = len(self.accept_log)
+
+    def per_row(self):
+        if not self.accept_log:
+            n = self.forwards.shape[0]
+            return [[] for _ in range(n)], [[] for _ in range(n)]
+        acc = torch.stack(self.accept_log, dim=1).tolist()
+        drafted = torch.stack(self.draft_log, dim=1).tolist()
+        # Drop the passes after a row finished.
+        accepted = [[x for x in row if x > 0] for row in acc]
+        lengths = [[k for x, k in zip(row, krow) if x > 0] for row, krow in zip(acc, drafted)]
+        return accepted, lengths
+
+    def verifier_totals(self):
+        return {key: torch.stack(vals, 1).sum(1) for key, vals in self.stats_log.items()} or None
+
+
+def _check_proposal(proposal: Proposal, bsz: int, limit: int, drafter) -> None:
+    name = type(drafter).__name__
+    if proposal.tokens.shape[0] != bsz:
+        raise ValueError(f"{name}.propose returned {proposal.tokens.shape[0]} rows for a batch of {bsz}.")
+    if proposal.is_linear and proposal.num_nodes > limit:
+        raise ValueError(f"{name}.propose returned {proposal.num_nodes} draft tokens; at most {limit} were asked for.")
+    if not proposal.is_linear:
+        validate_parents(proposal.batched_parents())
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the loop
+# ------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def speculative_generate(
     model,
@@ -157,6 +490,7 @@ def speculative_generate(
     num_draft_tokens: int | None = None,
     verifier: Any = None,
     verifier_options: dict | None = None,
+    draft_options: dict | None = None,
     spec_streamer=None,
     spec_timing: bool = False,
     **model_kwargs,
@@ -170,10 +504,13 @@ def speculative_generate(
         model: the target causal LM.
         input_ids: ``(batch, prompt_len)`` left-padded prompts.
         drafter: an hf_specdec drafter (bound to ``model`` here; a mismatched drafter raises before generating).
-        num_draft_tokens: draft tokens per step (``num_assistant_tokens`` in ``generate``); defaults to the
-            drafter's ``config.num_draft_tokens``.
+        num_draft_tokens: draft tokens per step for chains (``num_assistant_tokens`` in ``generate``); defaults to
+            the drafter's ``config.num_draft_tokens``.
         verifier: ``None`` (greedy or lossless sampling, following ``do_sample``), a registered verifier name, or a
             :class:`~hf_specdec.verification.Verifier` instance; ``verifier_options`` are passed to its constructor.
+        draft_options: tree options (``tree="eagle2"``, ``tree_depth``, ``tree_top_k``, ``tree_total_tokens``, a
+            static ``tree`` name or ``tree="static", tree_choices=[...]``) and the drafter family's own options.
+            ``generate`` routes these keywords here.
         spec_timing: synchronise the accelerator around the drafter and target calls so that the wall-clock split
             reported in ``timings`` is exact on CUDA (costs a little speed; on CPU the split is always exact).
 
@@ -192,20 +529,15 @@ def speculative_generate(
     k_max = int(num_draft_tokens if num_draft_tokens is not None else drafter.config.num_draft_tokens)
     if k_max < 1:
         raise ValueError(f"num_draft_tokens / num_assistant_tokens must be >= 1, got {k_max}.")
-
     do_sample = bool(generation_config.do_sample)
-    verifier_options = dict(verifier_options or {})
-    if verifier is None:
-        verifier = getattr(generation_config, "verifier", None)
-    if verifier == "asd":
-        # Frozen ASD settings may live in the generation config (asd_budget, asd_gate, ...); call options win.
-        from ..verification import ASD_OPTION_NAMES
-
-        for key, arg in ASD_OPTION_NAMES.items():
-            value = getattr(generation_config, key, None)
-            if value is not None:
-                verifier_options.setdefault(arg, value)
+    verifier, verifier_options, draft_options = _resolve_options(
+        generation_config, verifier, verifier_options, draft_options, drafter
+    )
     ver = get_verifier(verifier, do_sample, **verifier_options)
+    tree_kwargs = {k: draft_options.pop(k) for k in TREE_OPTIONS if k in draft_options}
+    policy = make_tree_policy(**tree_kwargs)
+    width_max = policy.max_nodes if policy is not None else k_max  # most draft nodes in one pass
+    depth_max = policy.max_depth if policy is not None else k_max  # most tokens one pass can accept
 
     bsz, prompt_len = input_ids.shape
     work = drafter.device  # = device of the target's LM head
@@ -235,125 +567,44 @@ def speculative_generate(
     position_ids = position_ids.to(work)
     # Rows may develop holes (rejected slots) only when several rows share a cache.
     use_slot_mask = bsz > 1 or bool((attention_mask == 0).any())
-
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is None:
         cache = DynamicCache(config=model.config)
-    for layer in getattr(cache, "layers", []):
-        if getattr(layer, "is_sliding", False):
-            if use_slot_mask and max_length + k_max > getattr(layer, "sliding_window", max_length + k_max + 1):
-                raise ValueError(
-                    f"This target uses sliding-window attention (window {layer.sliding_window}); with batch size "
-                    "> 1 or padding, hf_specdec keeps rejected slots in the cache, which would shift the window. "
-                    f"Use batch size 1 without padding, or max_length <= {layer.sliding_window - k_max}."
-                )
-            layer.activate_past_recording()
 
-    need_hidden = drafter.requires_target_hidden_states
+    target = TargetPasses(model, drafter, attention_mask, position_ids, use_slot_mask, cache, in_device, width_max)
+    target.check_window(max_length, width_max + 1, tree=policy is not None)
     ret_dict = generation_config.return_dict_in_generate
     want_scores = ret_dict and generation_config.output_scores
     want_logits = ret_dict and generation_config.output_logits
-    score_log: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
 
     # Row buffer: [left-padded prompt | committed tokens | scratch for draft tokens].
-    seq = torch.full((bsz, max_length + k_max + 1), pad_value, dtype=torch.long, device=work)
+    seq = torch.full((bsz, max_length + max(width_max, depth_max) + 1), pad_value, dtype=torch.long, device=work)
     seq[:, :prompt_len] = input_ids
-    n_gen = torch.zeros(bsz, dtype=torch.long, device=work)
-    finished = torch.zeros(bsz, dtype=torch.bool, device=work)
-    rows = torch.arange(bsz, device=work)
-    steps = torch.arange(k_max + 1, device=work)[None]  # column offsets, sliced to the width in use
-    forwards = torch.zeros(bsz, dtype=torch.long, device=work)
-    accept_log: list[torch.Tensor] = []
-    stats_log: dict[str, list[torch.Tensor]] = {}
-
+    out = Committer(seq, prompt_len, max_new, eos_ids, other_criteria, want_scores or want_logits, streamer)
     if streamer is not None:
         if bsz > 1:
             raise ValueError(f"Streamers support batch size 1 (as in transformers); got a batch of {bsz}.")
         streamer.put(input_ids.cpu())
-
-    sync = spec_timing and work.type != "cpu"
-    timings = {"draft_s": 0.0, "target_s": 0.0, "verify_s": 0.0}
-    draft_log: list[int] = []
-
-    def clock() -> float:
-        if sync:
-            synchronize(work)
-        return time.perf_counter()
-
-    t_start = clock()
-
-    def target_forward(ids, mask, pos, keep_all: bool):
-        kwargs = {"use_cache": True, "output_hidden_states": need_hidden, "return_dict": True}
-        if not keep_all and _supports_logits_to_keep(model):
-            kwargs["logits_to_keep"] = 1
-        out = model(
-            input_ids=ids.to(in_device),
-            attention_mask=None if mask is None else mask.to(in_device),
-            position_ids=pos.to(in_device),
-            cache=cache,
-            **kwargs,
-        )
-        hidden = out.hidden_states if need_hidden else None
-        if need_hidden and hidden is None:
-            raise ValueError(
-                f"{type(model).__name__} did not return hidden states with output_hidden_states=True, but "
-                f"{type(drafter).__name__} reads target features. Use a target that supports output_hidden_states."
-            )
-        return out.logits, hidden
-
-    def commit(new_tokens: torch.Tensor, count: torch.Tensor, scores, raw) -> torch.Tensor:
-        """Appends up to ``count`` tokens per unfinished row; applies EOS, length and custom stop criteria."""
-        nonlocal finished, n_gen
-        width = new_tokens.shape[1]
-        count = torch.minimum(count.masked_fill(finished, 0), max_new - n_gen)
-        col = steps[:, :width]
-        if eos_ids is not None:
-            is_eos = (new_tokens[..., None] == eos_ids).any(-1) & (col < count[:, None])
-            stop = is_eos.any(dim=1)
-            count = torch.where(stop, is_eos.long().argmax(dim=1) + 1, count)
-        else:
-            stop = torch.zeros_like(finished)
-        # Scatter without a data-dependent shape: rows keep their old values beyond `count`.
-        pos = (prompt_len + n_gen)[:, None] + col
-        seq.scatter_(1, pos, torch.where(col < count[:, None], new_tokens, seq.gather(1, pos)))
-        if other_criteria:
-            counts = count.tolist()
-            for b in range(bsz):
-                for j in range(counts[b]):
-                    prefix = seq[b : b + 1, : prompt_len + int(n_gen[b]) + j + 1]
-                    hit = any(bool(c(prefix, None).any()) for c in other_criteria)
-                    if hit:
-                        count[b] = j + 1
-                        stop[b] = True
-                        break
-        if want_scores or want_logits:
-            score_log.append((n_gen.clone(), count.clone(), scores, raw))
-        if streamer is not None:
-            streamer.put(new_tokens[0, : int(count[0])].cpu())
-        n_gen = n_gen + count
-        finished = finished | stop | (n_gen >= max_new)
-        return count
+    stats = LoopStats(work, spec_timing and work.type != "cpu", bsz)
+    rows = torch.arange(bsz, device=work)
 
     # ---------------------------------------------------------------- prefill: one target pass over the prompt
-    prefill_mask = attention_mask if use_slot_mask else None
-    t0 = clock()
-    logits, hidden = target_forward(input_ids, prefill_mask, position_ids, keep_all=False)
-    t1 = clock()
-    timings["prefill_s"] = t1 - t0
-    forwards += 1
+    t0 = stats.clock()
+    logits, hidden = target.prefill(input_ids, position_ids, keep_all=drafter.requires_target_logits)
+    t1 = stats.clock()
+    stats.timings["prefill_s"] = t1 - t0
+    stats.forwards += 1
     raw0 = logits[:, -1].to(device=work, dtype=torch.float32)
-    scores0 = processor(raw0[:, None], seq, torch.full_like(n_gen, prompt_len))[:, 0]
+    scores0 = processor(raw0[:, None], seq, torch.full_like(out.n_gen, prompt_len))[:, 0]
     if do_sample:
         first = torch.multinomial(torch.softmax(scores0, dim=-1), 1, generator=gen).squeeze(-1)
     else:
         first = scores0.argmax(dim=-1)
-    commit(first[:, None], torch.ones_like(n_gen), scores0[:, None], raw0[:, None])
+    out.commit(first[:, None], torch.ones_like(out.n_gen), scores0[:, None], raw0[:, None])
     last_token = first
-    next_pos = position_ids[:, -1] + 1
-    slot_mask = attention_mask if use_slot_mask else None
 
-    t0 = clock()
-    state = drafter.init_draft_state(bsz, max_length + k_max + 1)
+    t0 = stats.clock()
+    state = drafter.init_draft_state(bsz, seq.shape[1], **draft_options)
     drafter.observe(
         state,
         DraftInputs(
@@ -361,126 +612,146 @@ def speculative_generate(
             position_ids=position_ids,
             valid=attention_mask.bool(),
             hidden_states=hidden,
+            logits=logits.to(work) if drafter.requires_target_logits else None,
         ),
     )
     del hidden, logits
-    timings["draft_s"] += clock() - t0
-    selector = _DraftSelector(processor, seq, prompt_len + n_gen, do_sample, gen, raw0.shape[-1])
+    stats.add("draft_s", t0)
+    selector = _DraftSelector(processor, seq, out.lengths, do_sample, gen, raw0.shape[-1])
 
     # ---------------------------------------------------------------- decoding steps
-    done = bool(finished.all())
-    while not done:
-        active = ~finished
-        remaining = int((max_new - n_gen).masked_fill(finished, 0).max())
-        k = min(k_max, remaining - 1)
-        lengths = prompt_len + n_gen
-        t0 = clock()
-        if k > 0:
+    step = 0
+    while not out.done:
+        active = ~out.finished
+        lengths = out.lengths
+        k = min(k_max, out.remaining() - 1)  # a pass never drafts past the length limit
+        t0 = stats.clock()
+        if k <= 0:
+            proposal = Proposal(tokens=seq.new_empty(bsz, 0))
+        elif policy is not None:
+            proposal = policy.propose(drafter, state)
+            stats.draft_steps += policy.max_depth
+        else:
             selector.lengths = lengths
             proposal = drafter.propose(state, k, selector)
-            if proposal.kind == "tree":
-                raise NotImplementedError("Tree proposals are not supported by this release of the loop.")
-            draft = proposal.tokens.to(work)
-            seq.scatter_(1, lengths[:, None] + steps[:, :k], draft)
-        else:
-            draft = seq.new_empty(bsz, 0)
-            proposal = Proposal(tokens=draft)
-        draft_log.append(k)
-        t1 = clock()
-        timings["draft_s"] += t1 - t0
-        feed = torch.cat([last_token[:, None], draft], dim=1)  # (bsz, k + 1)
-        offsets = steps[:, : k + 1]
-        pos = next_pos[:, None] + offsets
-        if slot_mask is not None:
-            slot_mask = torch.cat([slot_mask, slot_mask.new_ones(bsz, k + 1)], dim=1)
-        logits, hidden = target_forward(feed, slot_mask, pos, keep_all=True)
-        t2 = clock()
-        timings["target_s"] += t2 - t1
-        forwards += active.long()
+            stats.draft_steps += proposal.num_nodes
+        _check_proposal(proposal, bsz, max(k, 0), drafter)
+        width = proposal.num_nodes + 1
+        if proposal.is_linear and proposal.num_nodes:
+            seq.scatter_(1, lengths[:, None] + torch.arange(proposal.num_nodes, device=work)[None], proposal.tokens)
+        drafted = proposal.node_valid().long().sum(1)
+        t1 = stats.add("draft_s", t0)
+
+        logits, hidden = target.run(last_token, proposal)
+        t2 = stats.add("target_s", t1)
+        stats.forwards += active.long()
         raw = logits.to(device=work, dtype=torch.float32)
-        scores = processor(raw, seq, lengths)
+        if proposal.is_linear:
+            scores = processor(raw, seq, lengths)
+        else:
+            scores = _tree_scores(processor, raw, seq, lengths, proposal)
         result = ver.verify(proposal, scores)
         n = result.num_accepted.to(work)
-        for key, value in result.stats.items():
-            stats_log.setdefault(key, []).append(value.to(work).masked_fill(finished, 0))
+        stats.log_verifier(result.stats, out.finished)
         n_max = int(n.max())
         new_tokens = result.tokens[:, : n_max + 1].to(work)
-        accept_log.append(commit(new_tokens, n + 1, scores, raw))  # 0 for rows already finished
+        keep_cols, path_scores, path_raw, path_hidden = _along_path(proposal, result, n_max, scores, raw, hidden)
+        finished_before = out.finished.clone()
+        committed = out.commit(new_tokens, n + 1, path_scores, path_raw)  # 0 for rows already finished
+        stats.accept_log.append(committed)
+        stats.draft_log.append(drafted.masked_fill(finished_before, 0))
+        target.keep(n, keep_cols, width)
+        t3 = stats.add("verify_s", t2)
 
-        # Target cache: keep slots of [last_token, accepted drafts]; drop the rest.
-        if slot_mask is not None:
-            base = slot_mask.shape[1] - (k + 1)
-            slot_mask[:, base:] = (offsets <= n[:, None]).to(slot_mask.dtype)
-            slot_mask = slot_mask[:, : base + n_max + 1]
-        if k > n_max:
-            cache.crop(n_max - k)
-        t3 = clock()
-        timings["verify_s"] += t3 - t2
-
-        done = bool(finished.all())
-        if done:
+        if out.done:
             break
-        width = n_max + 1
+        offsets = torch.arange(n_max + 1, device=work)[None]
+        n_fb = n.masked_fill(finished_before, 0)  # rows that had already finished accepted nothing
         drafter.observe(
             state,
             DraftInputs(
                 next_token_ids=new_tokens,
-                position_ids=pos[:, :width],
-                valid=offsets[:, :width] <= n[:, None],
-                hidden_states=None if hidden is None else tuple(h[:, :width] for h in hidden),
-                logits=raw[:, :width],
+                position_ids=(target.next_pos - n - 1)[:, None] + offsets,
+                valid=offsets <= n[:, None],
+                hidden_states=path_hidden,
+                logits=path_raw,
+                feedback=VerificationFeedback(
+                    proposal=proposal,
+                    num_accepted=n_fb,
+                    accepted_nodes=_accepted_nodes(n_fb, n_max, keep_cols),
+                    step=step,
+                ),
             ),
         )
         last_token = new_tokens[rows, n]
-        next_pos = next_pos + n + 1
         del hidden, logits
-        timings["draft_s"] += clock() - t3
+        stats.add("draft_s", t3)
+        step += 1
 
     if streamer is not None:
         streamer.end()
-    timings["total_s"] = clock() - t_start
-    timings["draft_steps"] = sum(draft_log)  # draft tokens proposed, over all passes (batch-level)
-    timings["passes"] = len(draft_log)
-
-    total = int(n_gen.max())
-    col = torch.arange(total, device=work)[None]
-    out_seq = seq[:, : prompt_len + total].clone()
-    out_seq[:, prompt_len:] = torch.where(col < n_gen[:, None], out_seq[:, prompt_len:], pad_value)
-    out_seq = out_seq.to(in_device)
+    stats.finish()
+    out_seq = out.sequences(pad_value).to(in_device)
     if not ret_dict:
         return out_seq
-
-    def assemble(index: int):
-        if not score_log:
-            return None
-        vocab = score_log[0][index].shape[-1]
-        buf = torch.zeros(total, bsz, vocab, dtype=torch.float32, device=work)
-        for start, cnt, sc, rw in score_log:
-            src = sc if index == 2 else rw
-            for b in range(bsz):
-                c = int(cnt[b])
-                if c:
-                    s0 = int(start[b])
-                    buf[s0 : s0 + c, b] = src[b, :c]
-        return tuple(buf.unbind(0))
-
-    acc = torch.stack(accept_log, dim=1) if accept_log else torch.zeros(bsz, 0, dtype=torch.long, device=work)
-    # Drop the passes after a row finished.
-    accepted_lengths = [[x for x in row if x > 0] for row in acc.tolist()]
-    draft_lengths = [[k for x, k in zip(row, draft_log) if x > 0] for row in acc.tolist()]
-    stats = {key: torch.stack(vals, 1).sum(1) for key, vals in stats_log.items()} or None
+    accepted_lengths, draft_lengths = stats.per_row()
     return SpeculativeDecoderOnlyOutput(
         sequences=out_seq,
-        scores=assemble(2) if want_scores else None,
-        logits=assemble(3) if want_logits else None,
+        scores=out.assemble(2) if want_scores else None,
+        logits=out.assemble(3) if want_logits else None,
         # A batched run's cache holds masked slots of rejected tokens, so it is only returned for batch size 1.
         cache=cache if not use_slot_mask else None,
         accepted_lengths=accepted_lengths,
         draft_lengths=draft_lengths,
-        timings=timings,
-        num_target_forwards=forwards.to(in_device),
+        timings=stats.timings,
+        num_target_forwards=stats.forwards.to(in_device),
         num_draft_tokens=k_max,
         verifier=ver.name,
         approximate=ver.approximate,
-        verifier_stats=stats,
+        verifier_stats=stats.verifier_totals(),
     )
+
+
+def _along_path(proposal: Proposal, result, n_max: int, scores, raw, hidden):
+    """The pass's columns along the accepted path, ``[last token, accepted nodes]``: the columns to keep in the
+    cache (``None`` for chains, already in place), and the scores, raw logits and hidden states there."""
+    if proposal.is_linear:
+        cut = None if hidden is None else tuple(h if h is None else h[:, : n_max + 1] for h in hidden)
+        return None, scores[:, : n_max + 1], raw[:, : n_max + 1], cut
+    bsz = raw.shape[0]
+    path = result.path.to(raw.device)[:, :n_max] if result.path is not None else raw.new_zeros(bsz, 0, dtype=torch.long)
+    keep_cols = torch.cat([torch.zeros(bsz, 1, dtype=torch.long, device=raw.device), path.clamp_min(-1) + 1], dim=1)
+    gathered = None if hidden is None else tuple(h if h is None else _gather_cols(h, keep_cols) for h in hidden)
+    return keep_cols, _gather_cols(scores, keep_cols), _gather_cols(raw, keep_cols), gathered
+
+
+def _accepted_nodes(num_accepted: torch.LongTensor, n_max: int, keep_cols: torch.LongTensor | None):
+    """``(batch, n_max)`` node indices of each row's accepted path, ``-1`` padded (feedback to the drafter)."""
+    col = torch.arange(n_max, device=num_accepted.device)[None]
+    nodes = col.expand(num_accepted.shape[0], -1) if keep_cols is None else keep_cols[:, 1:] - 1
+    return torch.where(col < num_accepted[:, None], nodes, torch.full_like(nodes, -1))
+
+
+def _gather_cols(x: torch.Tensor, cols: torch.LongTensor) -> torch.Tensor:
+    """``x[b, cols[b, j]]`` for a ``(batch, T, ...)`` tensor."""
+    idx = cols.to(x.device).view(*cols.shape, *([1] * (x.dim() - 2))).expand(*cols.shape, *x.shape[2:])
+    return x.gather(1, idx)
+
+
+def _tree_scores(processor: ScoreProcessor, raw, seq, lengths, proposal: Proposal):
+    """Processed target scores at every column of a tree pass, each with its own path as the processors' prefix."""
+    if processor.is_identity or processor.prefix_free:
+        return processor(raw, seq, lengths)
+    bsz = raw.shape[0]
+    parents = proposal.batched_parents().to(raw.device)
+    anc = ancestor_matrix(parents)  # (bsz, N, N)
+    depths = node_depths(parents)
+    n = parents.shape[1]
+    d_max = int(depths.max()) if n else 0
+    # path_tokens[b, i + 1, d - 1] = token of node i's ancestor at depth d (column 0, the root, has no path).
+    slot = torch.where(anc, depths[:, None, :] - 1, torch.full_like(depths[:, None, :], d_max).expand_as(anc))
+    buf = torch.zeros(bsz, n, d_max + 1, dtype=torch.long, device=raw.device)
+    buf.scatter_(2, slot, proposal.tokens.to(raw.device)[:, None, :].expand(bsz, n, n))
+    path_tokens = torch.cat([buf.new_zeros(bsz, 1, d_max + 1), buf], dim=1)[..., :d_max]
+    path_len = torch.cat([depths.new_zeros(bsz, 1), depths], dim=1)
+    return processor.process_paths(raw, seq, lengths, path_tokens, path_len)

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Proposal", "TokenSelector", "DraftInputs"]
+__all__ = ["Proposal", "TokenSelector", "DraftInputs", "VerificationFeedback"]
 
 PROPOSAL_KINDS = ("chain", "tree", "block")
 
@@ -23,20 +23,45 @@ class Proposal:
         kind: ``"chain"`` (node ``i`` follows node ``i - 1``), ``"block"`` (a chain produced in one pass) or
             ``"tree"`` (structure in ``parents``).
         parents: for trees, ``(num_nodes,)`` or ``(batch, num_nodes)`` index of each node's parent, ``-1`` for
-            children of the last committed token. ``None`` for chains and blocks.
+            children of the last committed token; parents come before their children. ``None`` for chains and blocks.
+        lengths: ``(batch,)`` number of real nodes per row (a drafter may propose fewer tokens than asked, per row,
+            e.g. when it stops at low confidence); nodes at index ``>= lengths[b]`` are padding that no verifier
+            accepts. ``None``: every node is real.
+        extras: family-specific data the drafter wants back with the verification feedback.
+
+    A drafter that proposes no tokens at all for every row returns ``num_nodes == 0`` (a plain decoding step).
+    For trees, ``draft_probs[b, i]`` is the distribution node ``i`` was drawn from *given its earlier siblings*
+    (e.g. renormalised without them when sampling without replacement); ``None`` means every node is a
+    deterministic choice (for instance the top-k of the draft distribution), which lossless tree sampling treats as
+    a point mass.
     """
 
     tokens: torch.LongTensor
     draft_probs: torch.FloatTensor | None = None
     kind: str = "chain"
     parents: torch.LongTensor | None = None
+    lengths: torch.LongTensor | None = None
     extras: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.kind not in PROPOSAL_KINDS:
             raise ValueError(f"Proposal.kind must be one of {PROPOSAL_KINDS}, got {self.kind!r}")
-        if self.kind == "tree" and self.parents is None:
-            raise ValueError("A tree proposal needs `parents`.")
+        if self.tokens.dim() != 2:
+            raise ValueError(f"Proposal.tokens must be (batch, num_nodes); got shape {tuple(self.tokens.shape)}.")
+        if self.kind == "tree":
+            if self.parents is None:
+                raise ValueError("A tree proposal needs `parents`.")
+        elif self.parents is not None:
+            raise ValueError(f"A {self.kind!r} proposal has no `parents`; use kind='tree' for trees.")
+        if self.lengths is not None:
+            self.lengths = torch.as_tensor(self.lengths, dtype=torch.long, device=self.tokens.device)
+            if self.lengths.shape != (self.tokens.shape[0],):
+                raise ValueError(
+                    f"Proposal.lengths must have shape (batch,) = ({self.tokens.shape[0]},); got "
+                    f"{tuple(self.lengths.shape)}."
+                )
+            if bool(((self.lengths < 0) | (self.lengths > self.num_nodes)).any()):
+                raise ValueError(f"Proposal.lengths must lie in [0, {self.num_nodes}]; got {self.lengths.tolist()}.")
 
     @property
     def num_nodes(self) -> int:
@@ -45,6 +70,22 @@ class Proposal:
     @property
     def is_linear(self) -> bool:
         return self.kind in ("chain", "block")
+
+    def node_valid(self) -> torch.BoolTensor:
+        """``(batch, num_nodes)`` True for real nodes (False for padding past ``lengths``)."""
+        bsz, n = self.tokens.shape
+        col = torch.arange(n, device=self.tokens.device)[None].expand(bsz, n)
+        if self.lengths is None:
+            return torch.ones(bsz, n, dtype=torch.bool, device=self.tokens.device)
+        return col < self.lengths[:, None]
+
+    def batched_parents(self) -> torch.LongTensor:
+        """``(batch, num_nodes)`` parents (chains and blocks: each node's parent is the node before it)."""
+        bsz, n = self.tokens.shape
+        if self.parents is None:
+            return (torch.arange(n, device=self.tokens.device) - 1)[None].expand(bsz, n)
+        parents = torch.as_tensor(self.parents, dtype=torch.long, device=self.tokens.device)
+        return parents[None].expand(bsz, n) if parents.dim() == 1 else parents
 
 
 @dataclass
@@ -61,14 +102,35 @@ class DraftInputs:
         valid: ``(batch, slots)`` bool.
         hidden_states: the target's ``output_hidden_states`` tuple restricted to these slots (``None`` if the
             drafter declared it needs none).
-        logits: ``(batch, slots, vocab)`` raw target logits for these slots, when available.
+        logits: ``(batch, slots, vocab)`` raw target logits for these slots (always given after a decoding pass;
+            after the prefill only for drafters that set ``requires_target_logits``).
+        feedback: after a decoding pass, what became of the drafter's last proposal (``None`` after the prefill).
     """
 
     next_token_ids: torch.LongTensor
     position_ids: torch.LongTensor
     valid: torch.BoolTensor
-    hidden_states: tuple[torch.Tensor, ...] | None = None
+    hidden_states: tuple[torch.Tensor | None, ...] | None = None
     logits: torch.Tensor | None = None
+    feedback: VerificationFeedback | None = None
+
+
+@dataclass
+class VerificationFeedback:
+    """What the verifier did with a proposal, handed back to the drafter (online adaptation, KV reuse of nodes).
+
+    Attributes:
+        proposal: the proposal this feedback belongs to (the object :meth:`propose` returned).
+        num_accepted: ``(batch,)`` draft tokens kept per row (0 for rows that had finished).
+        accepted_nodes: ``(batch, max_accepted)`` node indices of the kept path, in order, ``-1`` padded. For
+            chains and blocks this is ``0..num_accepted-1``.
+        step: 0-based index of the decoding pass within this ``generate`` call.
+    """
+
+    proposal: Proposal
+    num_accepted: torch.LongTensor
+    accepted_nodes: torch.LongTensor
+    step: int = 0
 
 
 class TokenSelector(Protocol):

@@ -1,8 +1,8 @@
-"""Drafter families, one folder each. Importing this module registers every family."""
+"""Drafter families, one folder each. Importing this module registers every family (each folder's ``__init__``
+makes its one ``register_drafter`` call and registers its checkpoint layouts)."""
 
-from ..registry import register_drafter
+from . import eagle3
 from .eagle3 import Eagle3Config, Eagle3ForDrafting
 
-register_drafter("eagle3", Eagle3Config, Eagle3ForDrafting, "EAGLE-3: fused low/mid/high target features, one layer")
-
-__all__ = ["Eagle3Config", "Eagle3ForDrafting"]
+# Public names re-exported by ``hf_specdec`` (it never names a family itself).
+__all__ = ["eagle3", "Eagle3Config", "Eagle3ForDrafting"]

@@ -1,46 +1,37 @@
-"""Target features for drafter training: what the frozen target computes for a batch, captured online."""
+"""Target features for drafter training: what the target computes for a batch, captured online.
+
+The feature types and the soft-label code live below the families in :mod:`hf_specdec.features` (families import
+them from there); they are re-exported here for training code.
+"""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-__all__ = ["TargetFeatures", "capture_target_features", "target_logits_from_last_hidden"]
+from ..features import (
+    SoftLabels,
+    TargetFeatures,
+    logit_softcap,
+    soft_labels,
+    target_logits_from_last_hidden,
+    walk_metrics,
+    walk_passes,
+)
+
+__all__ = [
+    "TargetFeatures",
+    "SoftLabels",
+    "capture_target_features",
+    "logit_softcap",
+    "soft_labels",
+    "target_logits_from_last_hidden",
+    "walk_metrics",
+    "walk_passes",
+]
 
 
-@dataclass
-class TargetFeatures:
-    """Target states a drafter trains on, for a right-padded batch.
-
-    Attributes:
-        hidden_states: one ``(batch, seq, hidden)`` tensor per id in the drafter's ``target_layer_ids``, in that
-            order (``output_hidden_states`` convention: 0 = embeddings, ``i + 1`` = output of decoder layer ``i``).
-        last_hidden: ``(batch, seq, hidden)`` the target's final hidden state (``output_hidden_states[-1]``, the
-            LM-head input); target logits are recomputed from it with :func:`target_logits_from_last_hidden`, which
-            keeps offline feature files small (hidden size instead of vocabulary size per token).
-    """
-
-    hidden_states: list[torch.Tensor]
-    last_hidden: torch.Tensor
-
-    def to(self, device=None, dtype=None) -> TargetFeatures:
-        return TargetFeatures(
-            hidden_states=[h.to(device=device, dtype=dtype) for h in self.hidden_states],
-            last_hidden=self.last_hidden.to(device=device, dtype=dtype),
-        )
-
-
-@torch.no_grad()
-def capture_target_features(
-    target: nn.Module, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, layer_ids: list[int]
-) -> TargetFeatures:
-    """Runs the frozen target once (no grad) and keeps only the hidden states the drafter reads.
-
-    The target's logits are not materialised (``logits_to_keep=1`` where supported); they are recomputed from
-    ``last_hidden`` over the draft vocabulary only, when the loss needs them.
-    """
+def _run_target(target: nn.Module, input_ids, attention_mask):
     kwargs = {"output_hidden_states": True, "use_cache": False, "return_dict": True}
     fn = getattr(target, "_supports_logits_to_keep", None)
     if callable(fn) and fn():
@@ -49,23 +40,41 @@ def capture_target_features(
     hs = out.hidden_states
     if hs is None:
         raise ValueError(f"{type(target).__name__} returned no hidden states; drafter training needs them.")
-    return TargetFeatures(hidden_states=[hs[i] for i in layer_ids], last_hidden=hs[-1])
+    return hs
 
 
-def target_logits_from_last_hidden(
-    target_head: nn.Module, last_hidden: torch.Tensor, token_ids: torch.LongTensor | None = None, softcap=None
-) -> torch.Tensor:
-    """Target logits (float32) from the final hidden state, optionally restricted to ``token_ids`` (a draft vocab).
+def capture_target_features(
+    target: nn.Module,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None,
+    layer_ids: list[int],
+    with_grad: bool = False,
+    teacher_without_adapter: bool = False,
+) -> TargetFeatures:
+    """Runs the target once and keeps only the hidden states the drafter reads.
 
-    ``target_head`` is the target's LM head (``target.get_output_embeddings()``); ``softcap`` applies a final logit
-    soft-capping (Gemma-2 style) when the target config has one.
+    The target's logits are not materialised (``logits_to_keep=1`` where supported); they are recomputed from
+    ``last_hidden`` over the draft vocabulary only, when the loss needs them.
+
+    Args:
+        target: the target (a frozen model, or a peft model whose adapter is trained).
+        input_ids / attention_mask: the right-padded batch.
+        layer_ids: ``output_hidden_states`` indices to keep.
+        with_grad: keep the autograd graph (gradients flow into a trainable target adapter).
+        teacher_without_adapter: also run ``target`` under ``disable_adapter()`` (no gradients) and keep its final
+            hidden state as ``teacher_last_hidden``: the teacher of a family that trains a target adapter.
     """
-    weight = target_head.weight
-    bias = getattr(target_head, "bias", None)
-    if token_ids is not None:
-        weight = weight[token_ids.to(weight.device)]
-        bias = None if bias is None else bias[token_ids.to(weight.device)]
-    logits = nn.functional.linear(last_hidden.to(device=weight.device, dtype=weight.dtype), weight, bias).float()
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
+    with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
+        hs = _run_target(target, input_ids, attention_mask)
+    teacher = None
+    if teacher_without_adapter:
+        if not hasattr(target, "disable_adapter"):
+            raise ValueError(f"{type(target).__name__} has no adapter to disable (expected a peft model).")
+        with torch.no_grad(), target.disable_adapter():
+            teacher = _run_target(target, input_ids, attention_mask)[-1]
+    return TargetFeatures(
+        hidden_states=[hs[i] for i in layer_ids],
+        last_hidden=hs[-1],
+        teacher_last_hidden=teacher,
+        softcap=logit_softcap(getattr(target, "config", None)),
+    )

@@ -26,13 +26,15 @@ def load_target(path: str, dtype: str = "auto", device_map: str | None = None, t
     return target, tokenizer
 
 
-def make_drafter(target, drafter: Any = "eagle3", **config_overrides):
-    """A drafter for ``target``: a family name (fresh, sized with ``for_target``), a path / Hub id of a trained
-    drafter (checked against the target), or an existing drafter instance."""
+def make_drafter(target, drafter: Any = None, **config_overrides):
+    """A drafter for ``target``: a family name (fresh, sized with ``for_target``; ``None``: the registry's default
+    family), a path / Hub id of a trained drafter (checked against the target), or an existing drafter instance."""
     from ..auto import AutoModelForDrafting
     from ..modeling_utils import DrafterPreTrainedModel
-    from ..registry import DRAFTERS
+    from ..registry import DRAFTERS, default_drafter_spec
 
+    if drafter is None:
+        drafter = default_drafter_spec().name
     if isinstance(drafter, DrafterPreTrainedModel):
         model = drafter
     elif isinstance(drafter, str) and drafter in DRAFTERS:
@@ -77,7 +79,7 @@ def train_drafter(
     tokenizer,
     data: str | list | None,
     args: DrafterTrainingArguments,
-    drafter: Any = "eagle3",
+    drafter: Any = None,
     drafter_overrides: dict | None = None,
     features_dir: str | None = None,
     max_length: int = 2048,
@@ -95,6 +97,9 @@ def train_drafter(
     Returns:
         ``(drafter, training_record)``.
     """
+    from transformers import set_seed
+
+    set_seed(args.seed)  # a fresh drafter's initialisation is part of a reproducible run
     model = make_drafter(target, drafter, **(drafter_overrides or {}))
     if lora:
         model = add_lora(model, **lora)

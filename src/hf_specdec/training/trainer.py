@@ -1,8 +1,16 @@
 """`DrafterTrainer`: trains any drafter family for a frozen target, on one CPU or many GPUs (accelerate).
 
-The trainer never branches on the family: it asks the drafter for ``compute_loss(batch, features, target_head)``
-and for its data-dependent initialisation (``init_from_data``). Target features come either from the batch (offline
-features dumped with ``hf-specdec dump-features``) or from running the frozen target inside the step (online).
+The trainer never branches on the family: it asks the drafter for ``compute_loss(batch, features, target_head,
+**loss_kwargs)`` (only the loss kwargs the family declares in ``loss_kwargs``; ramped ones come from its
+``loss_schedule``), for its optimizer groups (``optimizer_param_groups``) and for its data-dependent initialisation
+(``init_from_data``). Target features come either from the batch (offline features dumped with ``hf-specdec
+dump-features``) or from running the target inside the step (online). A family with ``trains_target_adapter`` gets
+its peft adapter (``target_adapter_config()``) put on the target and trained with it: features then carry gradients
+through the adapter, the teacher is the target under ``disable_adapter()``, and the adapter is checkpointed and saved
+(``target_adapter/``) with the drafter.
+
+Metrics are sums (``DraftLossOutput.metrics``) reduced key by key over batches and processes; rates (per-depth
+accuracy, the walked simulated τ) are derived from the sums at the end.
 """
 
 from __future__ import annotations
@@ -15,18 +23,20 @@ import resource
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from .features import TargetFeatures, capture_target_features
+from ..features import TargetFeatures, logit_softcap
+from .features import capture_target_features
 
 __all__ = ["DrafterTrainingArguments", "DrafterTrainer", "TrainingMetrics", "find_latest_checkpoint"]
 
 CHECKPOINT_PREFIX = "checkpoint-"
 LATEST_FILE = "latest_checkpoint"
+ADAPTER_DIR = "target_adapter"
 RECORD_FILE = "training_record.json"
 
 
@@ -48,7 +58,7 @@ class DrafterTrainingArguments:
     lr_scheduler_type: str = "cosine"  # any transformers scheduler name: linear, cosine, constant_with_warmup, ...
     max_grad_norm: float = 0.5
     mixed_precision: str = "no"  # no | bf16 | fp16
-    ttt_steps: int | None = None  # unrolled draft steps in the loss (default: the drafter's num_draft_tokens)
+    loss_kwargs: dict | None = None  # fixed keyword arguments of compute_loss (must be declared by the family)
     save_steps: int = 200
     save_total_limit: int | None = 2
     eval_steps: int = 100
@@ -57,6 +67,7 @@ class DrafterTrainingArguments:
     group_by_length: bool = True
     report_to: str = "auto"  # none | tensorboard | wandb | auto (whatever is installed)
     progress: bool = True
+    stop_after_steps: int = -1  # > 0: stop (with a checkpoint) after this step; --resume continues the same schedule
 
     def __post_init__(self):
         if self.mixed_precision not in ("no", "bf16", "fp16"):
@@ -72,48 +83,71 @@ class DrafterTrainingArguments:
 
 @dataclass
 class TrainingMetrics:
-    """Aggregated draft metrics: loss, per-depth accuracy and the simulated mean accepted length."""
+    """Aggregated draft metrics: the mean loss, the family's summed metrics and the rates derived from them.
+
+    ``sums`` holds ``DraftLossOutput.metrics`` summed key by key (float64, CPU); ``rates`` the family's
+    ``name -> (numerator, denominator)`` definitions (``acc`` per depth, ``simulated_tau`` from the walk).
+    """
 
     loss_sum: float = 0.0
     batches: int = 0
-    correct: torch.Tensor | None = None
-    valid: torch.Tensor | None = None
-    chain: torch.Tensor | None = None
-    anchors: float = 0.0
     tokens: int = 0
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    rates: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def add(self, out, tokens: int) -> None:
+        self.add_sums({k: v.detach().double().cpu() for k, v in out.metrics.items()})
         self.loss_sum += float(out.loss.detach())
         self.batches += 1
         self.tokens += tokens
-        c, v, ch = out.correct.detach().double().cpu(), out.valid.detach().double().cpu(), out.chain_correct.detach()
-        ch = ch.double().cpu()
-        self.correct = c if self.correct is None else self.correct + c
-        self.valid = v if self.valid is None else self.valid + v
-        self.chain = ch if self.chain is None else self.chain + ch
-        self.anchors += float(out.anchors)
+        self.rates.update(out.rates)
+
+    def add_sums(self, sums: dict[str, torch.Tensor]) -> None:
+        for key, value in sums.items():
+            if key in self.sums and self.sums[key].shape != value.shape:
+                raise ValueError(
+                    f"Metric {key!r} changed shape from {tuple(self.sums[key].shape)} to {tuple(value.shape)}; a "
+                    "family's metrics must keep one shape per key."
+                )
+        for key, value in sums.items():
+            self.sums[key] = value.clone() if key not in self.sums else self.sums[key] + value
 
     @property
     def loss(self) -> float:
         return self.loss_sum / max(1, self.batches)
 
+    def rate(self, name: str) -> float | list[float] | None:
+        """A derived rate (a list for a vector numerator); ``None`` when its sums are missing or the denominator is 0."""
+        num_key, den_key = self.rates.get(name, (None, None))
+        if num_key not in self.sums or den_key not in self.sums:
+            return None
+        num, den = self.sums[num_key], self.sums[den_key]
+        if num.dim() == 0:
+            return float(num / den) if float(den) > 0 else None
+        return (num / den.clamp(min=1)).tolist()
+
     @property
     def accuracy(self) -> list[float]:
-        if self.correct is None:
-            return []
-        return (self.correct / self.valid.clamp(min=1)).tolist()
+        """Per-depth accuracy ``acc_j`` (teacher forced)."""
+        value = self.rate("acc")
+        return [] if value is None else ([value] if isinstance(value, float) else value)
 
     @property
     def simulated_tau(self) -> float:
-        """1 + Σ_j P(drafts 0..j all correct): τ of greedy chain drafting under teacher forcing."""
-        if self.chain is None or self.anchors == 0:
-            return 1.0
-        return 1.0 + float(self.chain.sum()) / self.anchors
+        """τ of the sequences walked pass by pass as the decoding loop does (greedy, teacher forced): mean committed
+        tokens per pass (``nan`` when no pass was walked)."""
+        value = self.rate("simulated_tau")
+        return float("nan") if value is None else float(value)
 
     def as_dict(self, prefix: str = "") -> dict[str, Any]:
-        out = {f"{prefix}loss": round(self.loss, 5), f"{prefix}simulated_tau": round(self.simulated_tau, 4)}
-        for j, acc in enumerate(self.accuracy):
-            out[f"{prefix}acc_{j}"] = round(acc, 4)
+        out: dict[str, Any] = {f"{prefix}loss": round(self.loss, 5)}
+        for name in self.rates:
+            value = self.rate(name)
+            if isinstance(value, list):
+                for j, v in enumerate(value):
+                    out[f"{prefix}{name}_{j}"] = round(v, 4)
+            else:
+                out[f"{prefix}{name}"] = None if value is None else round(value, 4)
         return out
 
 
@@ -171,14 +205,28 @@ def _set_rng_state(state: dict) -> None:
 
 
 class _LossModule(nn.Module):
-    """Routes the loss through ``forward`` so DDP/FSDP wrappers see the call (gradient synchronisation)."""
+    """Routes features and loss through ``forward`` so DDP/FSDP wrappers see the call (gradient synchronisation).
 
-    def __init__(self, drafter):
+    A trained target adapter is a submodule here (the peft-wrapped target), so its gradients are synchronised too.
+    """
+
+    def __init__(self, drafter, adapted_target=None):
         super().__init__()
         self.drafter = drafter
+        if adapted_target is not None:
+            self.adapted_target = adapted_target
 
-    def forward(self, batch, features, target_head, steps):
-        return self.drafter.compute_loss(batch, features, target_head, steps=steps)
+    def forward(self, batch, features_fn, target_head, loss_kwargs):
+        return self.drafter.compute_loss(batch, features_fn(batch), target_head, **loss_kwargs)
+
+
+def _loggable(values: dict) -> dict:
+    """Trackers take numbers only: a rate without data (``None``) is left out."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _is_offline(dataset) -> bool:
+    return dataset is not None and len(dataset) > 0 and "target_hidden_states" in dataset[0]
 
 
 class DrafterTrainer:
@@ -186,7 +234,9 @@ class DrafterTrainer:
 
     Args:
         drafter: a :class:`~hf_specdec.DrafterPreTrainedModel` (fresh or pretrained).
-        target: the target causal LM; frozen (``requires_grad_(False)``) and never modified.
+        target: the target causal LM; frozen (``requires_grad_(False)``) and never modified, except for a family with
+            ``trains_target_adapter``: its peft adapter is injected into ``target`` (in place) and trained, and
+            ``trainer.target`` is then the peft model.
         args: :class:`DrafterTrainingArguments`.
         train_dataset / eval_dataset: datasets of dicts with ``input_ids``, ``loss_mask`` (and, for offline features,
             ``target_hidden_states`` / ``target_last_hidden``).
@@ -242,11 +292,23 @@ class DrafterTrainer:
             pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
         self.collate_fn = collate_fn or DataCollator(pad_token_id=int(pad))
 
+        self.loss_kwarg_names = tuple(getattr(drafter, "loss_kwargs", ()))
+        unknown = sorted(set(args.loss_kwargs or {}) - set(self.loss_kwarg_names))
+        if unknown:
+            raise ValueError(
+                f"{type(self._base_drafter(drafter)).__name__} does not take the loss kwargs {unknown}; it declares "
+                f"{list(self.loss_kwarg_names) or 'none'}."
+            )
+        self.trains_adapter = bool(getattr(drafter, "trains_target_adapter", False))
         target.requires_grad_(False)
         target.eval()
         if not getattr(target, "hf_device_map", None):
             target.to(self.accelerator.device)
-        drafter.bind_target(target)
+        base_target = target
+        if self.trains_adapter:
+            target = self._add_target_adapter(drafter, target, train_dataset, eval_dataset)
+            self.target = target
+        drafter.bind_target(base_target)
         drafter.to(self.accelerator.device)
         self.target_head = target.get_output_embeddings()
 
@@ -268,15 +330,8 @@ class DrafterTrainer:
             self.total_steps = max(1, math.ceil(args.num_train_epochs * per_epoch / args.gradient_accumulation_steps))
         warmup = args.warmup_steps if args.warmup_steps > 0 else int(args.warmup_ratio * self.total_steps)
 
-        params = [p for p in drafter.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("The drafter has no trainable parameters.")
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=args.learning_rate,
-            betas=(args.adam_beta1, args.adam_beta2),
+            self._param_groups(drafter, target), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2)
         )
         from transformers import get_scheduler
 
@@ -284,7 +339,7 @@ class DrafterTrainer:
             args.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup, num_training_steps=self.total_steps
         )
         self.loss_module, self.optimizer, self.scheduler = self.accelerator.prepare(
-            _LossModule(drafter), self.optimizer, self.scheduler
+            _LossModule(drafter, target if self.trains_adapter else None), self.optimizer, self.scheduler
         )
         self.step = 0
         self.history: list[dict] = []
@@ -312,17 +367,95 @@ class DrafterTrainer:
     def unwrapped_drafter(self):
         return self.accelerator.unwrap_model(self.loss_module).drafter
 
+    @staticmethod
+    def _base_drafter(drafter):
+        """The family model under a peft-wrapped drafter (``--lora``), the drafter itself otherwise."""
+        get_base = getattr(drafter, "get_base_model", None)
+        return get_base() if callable(get_base) else drafter
+
+    def _add_target_adapter(self, drafter, target, train_dataset, eval_dataset):
+        """Puts the family's trainable peft adapter on ``target``; returns the peft model."""
+        name = type(self._base_drafter(drafter)).__name__
+        if self.is_peft:
+            raise ValueError(f"{name} trains a target adapter; LoRA adaptation of the drafter itself is not supported.")
+        if hasattr(target, "peft_config"):
+            raise ValueError(
+                f"{name} trains its own target adapter: pass the plain target model, not a peft model (the trainer "
+                "adds the adapter from the family's target_adapter_config())."
+            )
+        if _is_offline(train_dataset) or _is_offline(eval_dataset):
+            raise ValueError(
+                f"{name} trains a target adapter, so the target's features change during training: offline "
+                "features (hf-specdec dump-features) cannot be used. Train with online features (--data)."
+            )
+        from peft import get_peft_model
+
+        config = self._base_drafter(drafter).target_adapter_config()
+        torch.manual_seed(self.args.seed)  # the adapter's initialisation is part of a reproducible run
+        adapted = get_peft_model(target, config)
+        head = adapted.get_output_embeddings()
+        if any("lora_" in n for n, _ in head.named_parameters()) or not isinstance(head, nn.Linear):
+            raise ValueError(
+                f"{name}'s target adapter must not adapt the LM head: the teacher's soft labels and the drafter read "
+                "the target's head."
+            )
+        if not any(p.requires_grad for p in adapted.parameters()):
+            raise ValueError(f"{name}'s target adapter config matches no module of {type(target).__name__}.")
+        adapted.eval()
+        return adapted
+
+    def _param_groups(self, drafter, target) -> list[dict]:
+        """The family's optimizer groups, checked to cover every trainable parameter exactly once."""
+        adapter = [p for p in target.parameters() if p.requires_grad] if self.trains_adapter else None
+        groups = drafter.optimizer_param_groups(self.args.learning_rate, self.args.weight_decay, adapter)
+        names = {id(p): n for n, p in drafter.named_parameters() if p.requires_grad}
+        if adapter:
+            names.update({id(p): f"target.{n}" for n, p in target.named_parameters() if p.requires_grad})
+        if not names:
+            raise ValueError("The drafter has no trainable parameters.")
+        seen: dict[int, int] = {}
+        for group in groups:
+            group["params"] = list(group["params"])
+            for p in group["params"]:
+                seen[id(p)] = seen.get(id(p), 0) + 1
+        twice = [names.get(i, "<unknown>") for i, c in seen.items() if c > 1]
+        missing = [n for i, n in names.items() if i not in seen]
+        foreign = [i for i in seen if i not in names]
+        if twice or missing or foreign:
+            raise ValueError(
+                f"optimizer_param_groups of {type(self._base_drafter(drafter)).__name__} must list every trainable "
+                f"parameter exactly once: missing {missing[:5]}, repeated {twice[:5]}, "
+                f"{len(foreign)} frozen or unknown parameters."
+            )
+        return groups
+
+    def loss_kwargs_at(self, step: int) -> dict:
+        """The loss kwargs of optimizer step ``step`` (0-based): the family's schedule, then the fixed ones."""
+        kwargs = dict(self._base_drafter(self.unwrapped_drafter).loss_schedule(step, self.total_steps))
+        undeclared = sorted(set(kwargs) - set(self.loss_kwarg_names))
+        if undeclared:
+            raise ValueError(f"loss_schedule returned {undeclared}, which the family does not declare in loss_kwargs.")
+        kwargs.update(self.args.loss_kwargs or {})
+        return kwargs
+
     def _features(self, batch: dict) -> TargetFeatures:
+        softcap = logit_softcap(self.target.config)
         if "target_hidden_states" in batch:
             hs = batch["target_hidden_states"]
             hs = list(hs) if isinstance(hs, (list, tuple)) else list(hs.unbind(1))
             dtype = next(self.unwrapped_drafter.parameters()).dtype
-            return TargetFeatures(hidden_states=hs, last_hidden=batch["target_last_hidden"]).to(
-                self.accelerator.device, dtype
-            )
+            feats = TargetFeatures(hidden_states=hs, last_hidden=batch["target_last_hidden"], softcap=softcap)
+            return feats.to(self.accelerator.device, dtype)
         layer_ids = self.unwrapped_drafter.config.target_layer_ids or []
         ids = batch["input_ids"]
-        return capture_target_features(self.target, ids, batch.get("attention_mask"), layer_ids)
+        return capture_target_features(
+            self.target,
+            ids,
+            batch.get("attention_mask"),
+            layer_ids,
+            with_grad=self.trains_adapter,
+            teacher_without_adapter=self.trains_adapter,
+        )
 
     def _to_device(self, batch: dict) -> dict:
         out = {}
@@ -363,6 +496,17 @@ class DrafterTrainer:
         return counts
 
     # ------------------------------------------------------------------------------------------------ checkpoints
+    def _declare_adapter(self) -> None:
+        """Records the trained target adapter (folder and weight fingerprint) in the drafter's config, so that
+        generation refuses a target without it (``DrafterPreTrainedModel.check_target_adapter``)."""
+        if self.trains_adapter:
+            from ..modeling_utils import adapter_fingerprint
+
+            self.unwrapped_drafter.config.target_adapter = {
+                "subfolder": ADAPTER_DIR,
+                "fingerprint": adapter_fingerprint(self.target),
+            }
+
     def save_checkpoint(self) -> str:
         """Writes ``checkpoint-{step}`` atomically (temp folder, then rename) and updates the latest pointer."""
         acc = self.accelerator
@@ -374,7 +518,10 @@ class DrafterTrainer:
             tmp = os.path.join(self.args.output_dir, f".{name}.tmp-{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
+            self._declare_adapter()
             self.unwrapped_drafter.save_pretrained(tmp)
+            if self.trains_adapter:
+                self.target.save_pretrained(os.path.join(tmp, ADAPTER_DIR))
             torch.save(self.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
             torch.save(self.scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
             torch.save(_rng_state(), os.path.join(tmp, "rng_state.pt"))
@@ -415,6 +562,9 @@ class DrafterTrainer:
 
         weights_file = "adapter_model.safetensors" if self.is_peft else "model.safetensors"
         required = [weights_file, "optimizer.pt", "scheduler.pt", "rng_state.pt", "trainer_state.json"]
+        adapter_file = os.path.join(ADAPTER_DIR, "adapter_model.safetensors")
+        if self.trains_adapter:
+            required.append(adapter_file)
         missing = [f for f in required if not os.path.exists(os.path.join(path, f))]
         if missing:
             raise ValueError(f"Checkpoint {path} is incomplete (missing {missing}); resume from another checkpoint.")
@@ -422,6 +572,11 @@ class DrafterTrainer:
             with open(os.path.join(path, "trainer_state.json")) as fh:
                 state = json.load(fh)
             weights = load_file(os.path.join(path, weights_file), device=str(self.accelerator.device))
+            adapter_weights = (
+                load_file(os.path.join(path, adapter_file), device=str(self.accelerator.device))
+                if self.trains_adapter
+                else None
+            )
             opt_state = torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=False)
             sched_state = torch.load(os.path.join(path, "scheduler.pt"), map_location="cpu", weights_only=False)
             rng = torch.load(os.path.join(path, "rng_state.pt"), map_location="cpu", weights_only=False)
@@ -444,6 +599,15 @@ class DrafterTrainer:
                 f"Checkpoint {path} does not match this drafter (missing {missing}, unexpected "
                 f"{result.unexpected_keys}); it was written for another drafter configuration."
             )
+        if adapter_weights is not None:
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(self.target, adapter_weights)
+            if result.unexpected_keys or [k for k in result.missing_keys if "lora_" in k]:
+                raise ValueError(
+                    f"The target adapter in checkpoint {path} does not match this family's adapter config "
+                    f"(unexpected {result.unexpected_keys})."
+                )
         self.optimizer.load_state_dict(opt_state)
         self.scheduler.load_state_dict(sched_state)
         _set_rng_state(rng)
@@ -462,13 +626,14 @@ class DrafterTrainer:
             return metrics
         module = self.loss_module
         module.eval()
+        loss_kwargs = self.loss_kwargs_at(max(self.step - 1, 0))
         order = sorted(range(len(dataset)), key=lambda i: len(dataset[i]["input_ids"]))
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         for start in range(0, len(order), self.args.batch_size):
             if (start // self.args.batch_size) % world != rank:
                 continue
             batch = self._to_device(self.collate_fn([dataset[i] for i in order[start : start + self.args.batch_size]]))
-            out = module(batch, self._features(batch), self.target_head, self.args.ttt_steps)
+            out = module(batch, self._features, self.target_head, loss_kwargs)
             metrics.add(out, int(batch["attention_mask"].sum()))
         module.train()
         if self.accelerator.num_processes > 1:
@@ -476,16 +641,21 @@ class DrafterTrainer:
         return metrics
 
     def _all_reduce(self, metrics: TrainingMetrics) -> TrainingMetrics:
-        """Sums evaluation metrics over processes (each evaluated its own share of the held-out set)."""
-        k = self.args.ttt_steps or self.unwrapped_drafter.config.num_draft_tokens
-        zeros = torch.zeros(k, dtype=torch.float64)
-        head = torch.tensor([metrics.loss_sum, metrics.batches, metrics.anchors, metrics.tokens], dtype=torch.float64)
-        parts = [head] + [zeros if t is None else t for t in (metrics.correct, metrics.valid, metrics.chain)]
-        packed = self.accelerator.reduce(torch.cat(parts).to(self.accelerator.device), reduction="sum").cpu()
-        out = TrainingMetrics(
-            loss_sum=float(packed[0]), batches=int(packed[1]), anchors=float(packed[2]), tokens=int(packed[3])
-        )
-        out.correct, out.valid, out.chain = packed[4 : 4 + k], packed[4 + k : 4 + 2 * k], packed[4 + 2 * k :]
+        """Sums evaluation metrics over processes key by key (each evaluated its own share of the held-out set)."""
+        from accelerate.utils import gather_object
+
+        payload = {
+            "head": [metrics.loss_sum, metrics.batches, metrics.tokens],
+            "sums": {k: v.tolist() for k, v in metrics.sums.items()},
+            "rates": metrics.rates,
+        }
+        out = TrainingMetrics()
+        for part in gather_object([payload]):
+            out.loss_sum += float(part["head"][0])
+            out.batches += int(part["head"][1])
+            out.tokens += int(part["head"][2])
+            out.add_sums({k: torch.tensor(v, dtype=torch.float64) for k, v in part["sums"].items()})
+            out.rates.update({k: tuple(v) for k, v in part["rates"].items()})
         return out
 
     # ------------------------------------------------------------------------------------------------ training
@@ -503,6 +673,7 @@ class DrafterTrainer:
                 raise ValueError(f"--resume: no checkpoint found in {args.output_dir}.")
             self.load_checkpoint(path)
         elif self.step == 0 and not self.is_peft:
+            self.unwrapped_drafter.init_from_target(self.target)
             self.unwrapped_drafter.init_from_data(self.token_counts())
         if self.log_with:
             acc.init_trackers("hf_specdec", config={k: v for k, v in asdict(args).items() if v is not None})
@@ -522,11 +693,11 @@ class DrafterTrainer:
         t0, tokens0 = time.perf_counter(), 0
         while self.step < self.total_steps:
             step_metrics = TrainingMetrics()
+            loss_kwargs = self.loss_kwargs_at(self.step)
             for _ in range(args.gradient_accumulation_steps):
                 batch = self._to_device(next(stream))
-                features = self._features(batch)
                 with acc.accumulate(module):
-                    out = module(batch, features, self.target_head, args.ttt_steps)
+                    out = module(batch, self._features, self.target_head, loss_kwargs)
                     acc.backward(out.loss)
                     if acc.sync_gradients and args.max_grad_norm:
                         acc.clip_grad_norm_(module.parameters(), args.max_grad_norm)
@@ -538,7 +709,15 @@ class DrafterTrainer:
                 window.add(out, n_tok)
                 tokens0 += n_tok
             self.step += 1
-            record = {"step": self.step, "lr": self.scheduler.get_last_lr()[0], **step_metrics.as_dict()}
+            lrs = self.scheduler.get_last_lr()
+            record = {"step": self.step, "lr": lrs[0], **step_metrics.as_dict()}
+            if len(set(lrs)) > 1:
+                record["group_lrs"] = list(lrs)
+            if loss_kwargs:
+                record["loss_kwargs"] = {
+                    k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v)
+                    for k, v in loss_kwargs.items()
+                }
             self.history.append(record)
             bar.update(1)
             bar.set_postfix(
@@ -548,18 +727,25 @@ class DrafterTrainer:
             )
             if self.step % args.logging_steps == 0:
                 if acc.trackers:
-                    acc.log(window.as_dict("train/"), step=self.step)
+                    acc.log(_loggable(window.as_dict("train/")), step=self.step)
                 window = TrainingMetrics()
             if self.eval_dataset is not None and self.step % args.eval_steps == 0:
                 ev = self.evaluate()
                 self.eval_history.append({"step": self.step, **ev.as_dict()})
                 bar.write(f"step {self.step}: eval " + json.dumps(ev.as_dict()))
                 if acc.trackers:
-                    acc.log(ev.as_dict("eval/"), step=self.step)
+                    acc.log(_loggable(ev.as_dict("eval/")), step=self.step)
             if self.on_step is not None:
                 self.on_step(self.step, record)
             if self.step % args.save_steps == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
+            if 0 < args.stop_after_steps <= self.step < self.total_steps:
+                if self.step % args.save_steps != 0:
+                    self.save_checkpoint()
+                bar.close()
+                if acc.trackers:
+                    acc.end_training()
+                return {"steps": self.step, "total_steps": self.total_steps, "stopped_early": True}
         bar.close()
         elapsed = time.perf_counter() - t0
         return self._finish(elapsed, tokens0)
@@ -571,7 +757,10 @@ class DrafterTrainer:
         record = None
         if acc.is_main_process:
             drafter = self.unwrapped_drafter
+            self._declare_adapter()
             drafter.save_pretrained(args.output_dir)
+            if self.trains_adapter:
+                self.target.save_pretrained(os.path.join(args.output_dir, ADAPTER_DIR))
             peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             cfg = drafter.config
             from .. import __version__
@@ -580,6 +769,7 @@ class DrafterTrainer:
                 "hf_specdec_version": __version__,
                 "family": cfg.model_type,
                 "lora_adapter": self.is_peft,
+                "target_adapter": ADAPTER_DIR if self.trains_adapter else None,
                 "target": {
                     "name_or_path": cfg.target_model_name_or_path,
                     "model_type": cfg.target_model_type,

@@ -33,8 +33,9 @@ import math
 import torch
 
 from ..generation.proposals import Proposal
+from ..tree.structure import ancestor_matrix, node_depths
 from .base import VerificationResult, Verifier, register_verifier
-from .standard import accepted_prefix_length
+from .standard import accepted_prefix_length, best_tree_path, tree_path_result
 
 __all__ = ["ASDVerifier", "asd_accept", "ASD_OPTION_NAMES"]
 
@@ -48,6 +49,39 @@ ASD_OPTION_NAMES = {
 }
 
 
+def _asd_rule(
+    mismatch: torch.BoolTensor,
+    regret: torch.Tensor,
+    valid: torch.BoolTensor,
+    budget_left: torch.Tensor,
+    gate: float,
+    block_cap: int,
+    normalize_remaining: bool,
+    strict_margin: bool,
+) -> tuple[torch.LongTensor, torch.BoolTensor]:
+    """The acceptance rule on per-position ``mismatch`` / ``regret`` of ``(rows, L)`` paths whose first
+    ``valid.sum(1)`` positions are real. Returns the accepted length and the kept positions."""
+    length = mismatch.shape[1]
+    z = regret
+    col = torch.arange(length, device=z.device)[None]
+    path_len = valid.long().sum(dim=1, keepdim=True)
+    remaining = (path_len - col).clamp_min(1).to(z.dtype)  # q_i = K - i, K = this path's length
+    if normalize_remaining:
+        remaining = remaining / path_len.clamp_min(1).to(z.dtype)
+    # An infeasible exception (regret +inf, e.g. a draft token the processors scored -inf) must not poison the sums.
+    finite = torch.isfinite(regret)
+    spent = torch.cumsum(torch.where(finite, regret, torch.zeros_like(regret)), dim=1)  # C_i over finite terms
+    blocked = torch.cumsum((~finite & mismatch).long(), dim=1) > 0
+    count = torch.cumsum(mismatch.long(), dim=1)  # N_i
+    left = budget_left.to(z.device, z.dtype)[:, None]
+    exception_ok = finite & (regret / remaining <= gate) & (spent <= left) & ~blocked
+    if strict_margin:
+        exception_ok &= (spent - torch.where(finite, regret, torch.zeros_like(regret))) < left
+    ok = (~mismatch | exception_ok) & (count <= block_cap) & valid
+    n = accepted_prefix_length(ok)
+    return n, col < n[:, None]
+
+
 def asd_accept(
     draft: torch.LongTensor,
     scores: torch.Tensor,
@@ -56,6 +90,7 @@ def asd_accept(
     block_cap: int,
     normalize_remaining: bool = False,
     strict_margin: bool = False,
+    lengths: torch.LongTensor | None = None,
 ) -> tuple[torch.LongTensor, torch.LongTensor, dict[str, torch.Tensor]]:
     """The ASD acceptance rule along one path of draft tokens.
 
@@ -65,6 +100,7 @@ def asd_accept(
             the bonus token.
         budget_left: ``(batch,)`` ``B - s``, the regret the request may still spend.
         gate, block_cap, normalize_remaining, strict_margin: see :class:`ASDVerifier`.
+        lengths: ``(batch,)`` real draft tokens per row (variable-length proposals); ``None``: all ``L``.
 
     Returns:
         ``(num_accepted, tokens, stats)``: accepted draft tokens per row; ``(batch, L + 1)`` committed tokens (the
@@ -80,30 +116,30 @@ def asd_accept(
     draft = draft.to(best.device)
     z = scores[:, :length].float()
     mismatch = draft != best[:, :length]
-    regret = (z.gather(-1, best[:, :length, None]) - z.gather(-1, draft[..., None])).squeeze(-1)
-    regret = torch.where(mismatch, regret.clamp_min(0.0), torch.zeros_like(regret))
-    remaining = torch.arange(length, 0, -1, device=z.device, dtype=z.dtype)[None]  # q_i = K - i
-    if normalize_remaining:
-        remaining = remaining / length
-    spent = torch.cumsum(regret, dim=1)  # C_i
-    count = torch.cumsum(mismatch.long(), dim=1)  # N_i
-    left = budget_left.to(z.device, z.dtype)[:, None]
-    exception_ok = (regret / remaining <= gate) & (spent <= left)
-    if strict_margin:
-        exception_ok &= (spent - regret) < left
-    ok = (~mismatch | exception_ok) & (count <= block_cap)
-    n = accepted_prefix_length(ok)
-    strict_n = accepted_prefix_length(~mismatch)
+    regret = _regret(z, best[:, :length], draft, mismatch)
     col = torch.arange(length, device=z.device)[None]
-    kept = col < n[:, None]
+    valid = torch.ones_like(mismatch) if lengths is None else col < lengths.to(z.device)[:, None]
+    n, kept = _asd_rule(mismatch, regret, valid, budget_left, gate, block_cap, normalize_remaining, strict_margin)
+    strict_n = accepted_prefix_length(~mismatch & valid)
     tokens = best.clone()
     tokens[:, :length] = torch.where(kept, draft, best[:, :length])
-    stats = {
-        "regret": (regret * kept).sum(dim=1),
+    return n, tokens, _stats(regret, mismatch, kept, n, strict_n)
+
+
+def _regret(z: torch.Tensor, best: torch.LongTensor, draft: torch.LongTensor, mismatch: torch.BoolTensor):
+    """``z(y*) - z(x)`` at mismatches (``+inf`` for a ``-inf``-scored draft token), 0 elsewhere."""
+    z_best = z.gather(-1, best[..., None]).squeeze(-1)
+    z_x = z.gather(-1, draft[..., None]).squeeze(-1)
+    regret = torch.where(torch.isneginf(z_x), torch.full_like(z_x, float("inf")), (z_best - z_x).clamp_min(0.0))
+    return torch.where(mismatch, regret, torch.zeros_like(regret))
+
+
+def _stats(regret, mismatch, kept, n, strict_n) -> dict[str, torch.Tensor]:
+    return {
+        "regret": torch.where(kept, regret, torch.zeros_like(regret)).sum(dim=1),
         "exceptions": (mismatch & kept).long().sum(dim=1),
         "gained": n - strict_n,
     }
-    return n, tokens, stats
 
 
 @register_verifier
@@ -118,13 +154,15 @@ class ASDVerifier(Verifier):
             reference) in the gate.
         strict_margin: also require ``C_i - r_i < B - s`` (the DeepSeek reproduction's rule).
 
-    Defaults are the paper's Qwen/DSpark setting (``B = 8``, ``g = 0.25``, ``M = 2``). Per-row statistics in
+    Defaults are the paper's Qwen reference setting (``B = 8``, ``g = 0.25``, ``M = 2``). Per-row statistics in
     ``verifier_stats``: ``regret`` spent, ``exceptions`` accepted, ``gained`` tokens over strict verification.
     """
 
     name = "asd"
     supports_sampling = False
     approximate = True
+    generate_options = ASD_OPTION_NAMES
+    option_labels = {"budget": "B", "gate": "g", "block_cap": "M"}
 
     def __init__(
         self,
@@ -161,14 +199,12 @@ class ASDVerifier(Verifier):
 
     def verify(self, proposal: Proposal, scores: torch.Tensor) -> VerificationResult:
         if not proposal.is_linear:
-            raise NotImplementedError(
-                "ASD on tree proposals applies the rule along the verified path (hf_specdec.verification.asd."
-                "asd_accept); no tree drafter exists in this release yet."
-            )
+            return self._verify_tree(proposal, scores)
         draft = proposal.tokens
         if self.strict:
             best = scores.argmax(dim=-1)
-            n = accepted_prefix_length(draft.to(best.device) == best[:, :-1])
+            ok = (draft.to(best.device) == best[:, :-1]) & proposal.node_valid().to(best.device)
+            n = accepted_prefix_length(ok)
             zeros = torch.zeros_like(n)
             stats = {"regret": torch.zeros_like(self.ledger), "exceptions": zeros, "gained": zeros}
             return VerificationResult(num_accepted=n, tokens=best, stats=stats)
@@ -180,6 +216,74 @@ class ASDVerifier(Verifier):
             self.block_cap,
             self.normalize_remaining,
             self.strict_margin,
+            lengths=proposal.lengths,
         )
         self.ledger = self.ledger + stats["regret"].to(self.ledger.device)
         return VerificationResult(num_accepted=n, tokens=tokens, stats=stats)
+
+    def _verify_tree(self, proposal: Proposal, scores: torch.Tensor) -> VerificationResult:
+        """ASD along a tree: the rule runs on every root-to-leaf path (each path is a chain whose scores the tree pass
+        already holds); the path with the most accepted tokens wins, ties going to the smaller regret. With a strict
+        setting every path's acceptance is exact matching, so this is strict greedy tree verification.
+        """
+        dev = scores.device
+        best = scores.argmax(dim=-1)  # (batch, N + 1)
+        parents = proposal.batched_parents().to(dev)
+        tokens = proposal.tokens.to(dev)
+        valid = proposal.node_valid().to(dev)
+        bsz, n_nodes = tokens.shape
+        col = parents + 1
+        z_node = scores.gather(1, col[..., None].expand(-1, -1, scores.shape[-1])).float()  # (batch, N, vocab)
+        best_node = best.gather(1, col)
+        mismatch = (tokens != best_node) & valid
+        regret = _regret(z_node, best_node, tokens, mismatch)
+        del z_node
+        anc = ancestor_matrix(parents)
+        depths = node_depths(parents)
+        has_child = torch.zeros(bsz, n_nodes + 1, dtype=torch.bool, device=dev)
+        has_child.scatter_(1, torch.where(valid, col, torch.zeros_like(col)), valid)
+        is_leaf = valid & ~has_child[:, 1:]
+        max_depth = int(depths.max()) if n_nodes else 0
+        # Every node is a candidate end of a path (a leaf's ancestors are prefixes of its path; using leaves only).
+        leaf_idx = torch.arange(n_nodes, device=dev)[None].expand(bsz, n_nodes)
+        on_path = anc & is_leaf[:, :, None]  # (batch, N leaves, N)
+        slot = torch.where(on_path, depths[:, None, :] - 1, torch.full_like(on_path, max_depth, dtype=torch.long))
+        paths = torch.full((bsz, n_nodes, max_depth + 1), -1, dtype=torch.long, device=dev)
+        paths.scatter_(2, slot, torch.where(on_path, leaf_idx[:, None, :].expand_as(slot), -1))
+        paths = paths[..., :max_depth]  # (batch, leaves, depth): node at each depth, -1 padded
+        path_valid = paths >= 0
+        flat = paths.clamp_min(0).reshape(bsz, -1)
+        mm = mismatch.gather(1, flat).reshape(paths.shape) & path_valid
+        rg = regret.gather(1, flat).reshape(paths.shape).masked_fill(~path_valid, 0.0)
+        budget_left = (self.budget - self.ledger.to(dev)).repeat_interleave(n_nodes)
+        n_p, kept = _asd_rule(
+            mm.reshape(bsz * n_nodes, -1),
+            rg.reshape(bsz * n_nodes, -1),
+            path_valid.reshape(bsz * n_nodes, -1),
+            budget_left,
+            0.0 if self.strict else self.gate,
+            0 if self.strict else self.block_cap,
+            self.normalize_remaining,
+            self.strict_margin,
+        )
+        n_p = n_p.reshape(bsz, n_nodes).masked_fill(~is_leaf, -1)
+        spent_p = torch.where(kept, rg.reshape(bsz * n_nodes, -1), torch.zeros_like(rg.reshape(bsz * n_nodes, -1)))
+        spent_p = spent_p.sum(1).reshape(bsz, n_nodes)
+        # Most tokens first; among equals the least regret; then the first leaf.
+        key = n_p.double() * 1e6 - spent_p.double().clamp(max=1e5)
+        choice = key.argmax(dim=1) if n_nodes else torch.zeros(bsz, dtype=torch.long, device=dev)
+        rows = torch.arange(bsz, device=dev)
+        n = n_p[rows, choice].clamp_min(0) if n_nodes else torch.zeros(bsz, dtype=torch.long, device=dev)
+        width = int(n.max()) if bsz else 0
+        path = paths[rows, choice][:, :width] if n_nodes else paths[:, 0, :0]
+        path = torch.where(torch.arange(width, device=dev)[None] < n[:, None], path, torch.full_like(path, -1))
+        last = path.gather(1, (n - 1).clamp_min(0)[:, None]).squeeze(1) if width else torch.full_like(n, -1)
+        last = torch.where(n > 0, last, torch.full_like(last, -1))
+        bonus = best.gather(1, (last + 1)[:, None]).squeeze(1)
+        kept_sel = kept.reshape(bsz, n_nodes, -1)[rows, choice] if n_nodes else mm[:, 0]
+        mm_sel = mm[rows, choice] if n_nodes else mm[:, 0]
+        rg_sel = rg[rows, choice] if n_nodes else rg[:, 0]
+        strict_n, _, _, _, _ = best_tree_path(proposal, ~mismatch)
+        stats = _stats(rg_sel, mm_sel, kept_sel, n, strict_n)
+        self.ledger = self.ledger + stats["regret"].to(self.ledger.device)
+        return tree_path_result(proposal, n, path, bonus, stats)

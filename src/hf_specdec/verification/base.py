@@ -15,7 +15,14 @@ import torch
 
 from ..generation.proposals import Proposal
 
-__all__ = ["Verifier", "VerificationResult", "register_verifier", "get_verifier", "VERIFIERS"]
+__all__ = [
+    "Verifier",
+    "VerificationResult",
+    "register_verifier",
+    "get_verifier",
+    "VERIFIERS",
+    "verifier_option_owner",
+]
 
 
 @dataclass
@@ -44,12 +51,17 @@ class Verifier:
         name: registry key (``verifier="<name>"`` in ``generate``).
         supports_sampling / supports_greedy: which decoding modes the verifier accepts.
         approximate: ``True`` when the output may deviate from the target's own decoding (flagged in outputs).
+        generate_options: ``generate`` keyword / ``GenerationConfig`` attribute name -> constructor argument, for
+            the options this verifier takes (e.g. ASD's ``asd_budget`` -> ``budget``). The ``generate`` hook routes
+            these names here, and only to the verifier that declares them.
     """
 
     name: ClassVar[str] = ""
     supports_sampling: ClassVar[bool] = False
     supports_greedy: ClassVar[bool] = True
     approximate: ClassVar[bool] = False
+    generate_options: ClassVar[dict[str, str]] = {}
+    option_labels: ClassVar[dict[str, str]] = {}  # constructor argument -> short label in benchmark tables
 
     def __init__(self, **options: Any):
         if options:
@@ -84,8 +96,20 @@ def register_verifier(cls: type[Verifier]) -> type[Verifier]:
     """Class decorator registering a verifier under ``cls.name``."""
     if not cls.name:
         raise ValueError("A verifier needs a non-empty `name`.")
+    for option in cls.generate_options:
+        owner = verifier_option_owner(option)
+        if owner is not None and owner is not cls and owner.name != cls.name:
+            raise ValueError(f"generate option {option!r} of verifier {cls.name!r} is already taken by {owner.name!r}.")
     VERIFIERS[cls.name] = cls
     return cls
+
+
+def verifier_option_owner(option: str) -> type[Verifier] | None:
+    """The registered verifier class that declares ``generate`` option ``option`` (``None`` if none does)."""
+    for cls in VERIFIERS.values():
+        if option in cls.generate_options:
+            return cls
+    return None
 
 
 def get_verifier(spec: str | Verifier | None, do_sample: bool, **options: Any) -> Verifier:

@@ -7,16 +7,9 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from ...configuration_utils import DrafterConfig
+from ...layers import normalize_rope_scaling, rope_refusal, rope_scaling_from_config
 
 __all__ = ["Eagle3Config"]
-
-
-def _rope_theta(text_config: PretrainedConfig) -> float | None:
-    params = getattr(text_config, "rope_parameters", None)
-    if isinstance(params, dict) and params.get("rope_theta") is not None:
-        return float(params["rope_theta"])
-    theta = getattr(text_config, "rope_theta", None)
-    return float(theta) if theta is not None else None
 
 
 class Eagle3Config(DrafterConfig):
@@ -39,10 +32,21 @@ class Eagle3Config(DrafterConfig):
         num_attention_heads / num_key_value_heads / head_dim: attention shape of the draft layer.
         hidden_act (`str`, defaults to ``"silu"``), rms_norm_eps (`float`), rope_theta (`float`),
         max_position_embeddings (`int`), attention_bias (`bool`), initializer_range (`float`).
+        ttt_steps (`int`, *optional*): training-time-test steps unrolled in the loss (default ``num_draft_tokens``);
+            ttt_decay (`float`, defaults to 0.8): weight ``ttt_decay**j`` of step ``j``. ``compute_loss``'s loss
+            kwargs ``steps`` / ``decay`` override them for one run.
+        rope_scaling_parameters (`dict`, *optional*): the target's RoPE scaling in transformers-5 form without
+            ``rope_theta`` (e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``); ``None`` is plain RoPE.
+            :meth:`for_target` copies it from the target; scalings hf_specdec does not implement are refused.
+        norm_before_residual (`bool`, defaults to `False`): vLLM's flag: the residual of the draft layer is the
+            *normalised* fused feature (``hidden_norm(h)``) instead of ``h`` itself.
+        norm_output (`bool`, defaults to `True`): SpecForge's flag: ``False`` feeds the draft layer output to the
+            LM head without the final ``norm``.
         Other arguments: see :class:`~hf_specdec.DrafterConfig`.
     """
 
     model_type = "eagle3_drafter"
+    num_default_target_features = 3  # low, mid, high: what `fc` fuses when target_layer_ids are left to defaults
 
     hidden_size: int | None = None
     intermediate_size: int | None = None
@@ -53,9 +57,14 @@ class Eagle3Config(DrafterConfig):
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    rope_scaling_parameters: dict | None = None
     attention_bias: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = True
     initializer_range: float = 0.02
     num_draft_tokens: int = 5
+    ttt_steps: int | None = None  # training: draft steps unrolled in the loss (None: num_draft_tokens)
+    ttt_decay: float = 0.8  # training: weight ttt_decay**j of step j in the loss
 
     def __post_init__(self, **kwargs):
         if self.hidden_size is None:
@@ -66,6 +75,9 @@ class Eagle3Config(DrafterConfig):
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None and self.hidden_size is not None and self.num_attention_heads:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        self.rope_scaling_parameters = normalize_rope_scaling(
+            self.rope_scaling_parameters, self.max_position_embeddings
+        )
         if self.target_layer_ids is None and self.target_num_hidden_layers is not None:
             self.target_layer_ids = self.default_target_layer_ids(self.target_num_hidden_layers)
         super().__post_init__(**kwargs)
@@ -84,9 +96,11 @@ class Eagle3Config(DrafterConfig):
         eps = getattr(text_config, "rms_norm_eps", None)
         if eps is not None:
             out["rms_norm_eps"] = float(eps)
-        theta = _rope_theta(text_config)
-        if theta is not None:
-            out["rope_theta"] = theta
+        # The draft layer sits at the target's positions, so it rotates as the target does (scaling included).
+        try:
+            out["rope_theta"], out["rope_scaling_parameters"] = rope_scaling_from_config(text_config)
+        except ValueError as err:  # refused in __post_init__ unless the caller passes its own RoPE
+            out["rope_scaling_parameters"] = rope_refusal(err)
         max_pos = getattr(text_config, "max_position_embeddings", None)
         if max_pos is not None:
             out["max_position_embeddings"] = int(max_pos)
@@ -116,7 +130,9 @@ class Eagle3Config(DrafterConfig):
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"{name}.head_dim ({self.head_dim}) must be even for rotary embeddings.")
-        if not self.target_layer_ids:
+        if self.target_num_hidden_layers is None and self.target_layer_ids is None:
+            pass  # resolved from the target by bind_target
+        elif not self.target_layer_ids:
             raise ValueError(f"{name}.target_layer_ids must list the target hidden states to fuse.")
         if self.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
             raise ValueError(

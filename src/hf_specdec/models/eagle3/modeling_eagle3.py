@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import ModelOutput
 
+from ...features import walk_metrics, walk_passes
 from ...generation.proposals import DraftInputs, Proposal, TokenSelector
 from ...layers import GatedMLP, RMSNorm, RotaryEmbedding, SlotKVCache, apply_rotary, slot_attention
 from ...modeling_utils import DrafterPreTrainedModel, DraftLossOutput
@@ -35,14 +36,14 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * h, self.num_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * hd, h, bias=bias)
 
-    def forward(self, x, cos, sin, cache: SlotKVCache, valid: torch.Tensor, causal: bool = True):
+    def forward(self, x, cos, sin, cache: SlotKVCache, valid: torch.Tensor, causal: bool = True, attn_mask=None):
         bsz, t, _ = x.shape
         q = self.q_proj(x).view(bsz, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(bsz, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys, values, key_valid = cache.append(k, v, valid)
-        out = slot_attention(q, keys, values, key_valid, causal=causal)
+        out = slot_attention(q, keys, values, key_valid, causal=causal, attn_mask=attn_mask)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, t, -1))
 
 
@@ -55,11 +56,18 @@ class Eagle3DecoderLayer(nn.Module):
         self.self_attn = Eagle3Attention(config)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_act)
+        self.norm_before_residual = config.norm_before_residual
 
-    def forward(self, embeds, hidden, cos, sin, cache, valid):
-        residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = residual + self.self_attn(x, cos, sin, cache, valid)
+    def attention_input(self, embeds, hidden):
+        """``([norm(embeds); hidden_norm(hidden)], residual)``; the residual is the normalised feature when
+        ``norm_before_residual`` is set (vLLM's flag), else the raw one (the reference EAGLE-3 layer)."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        return torch.cat([self.input_layernorm(embeds), normed], dim=-1), residual
+
+    def forward(self, embeds, hidden, cos, sin, cache, valid, attn_mask=None):
+        x, residual = self.attention_input(embeds, hidden)
+        hidden = residual + self.self_attn(x, cos, sin, cache, valid, attn_mask=attn_mask)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -86,6 +94,7 @@ class Eagle3DraftState:
     last_hidden: torch.Tensor | None = None  # (batch, hidden)
     last_logits: torch.Tensor | None = None  # (batch, draft_vocab)
     last_position: torch.Tensor | None = None  # (batch,)
+    tree_hidden: torch.Tensor | None = None  # (batch, expanded nodes, hidden) while a tree is being drafted
 
 
 class Eagle3ForDrafting(DrafterPreTrainedModel):
@@ -105,17 +114,22 @@ class Eagle3ForDrafting(DrafterPreTrainedModel):
     proposal_kind = "chain"
     requires_target_hidden_states = True
     borrows_target_embeddings = True
+    supports_tree_drafting = True
     lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc")
+    loss_kwargs = ("steps", "decay")  # TTT steps and their decay (defaults: config.ttt_steps / ttt_decay)
     _no_split_modules = ["Eagle3DecoderLayer"]
 
     def __init__(self, config: Eagle3Config):
         super().__init__(config)
-        n_feats = len(config.target_layer_ids)
+        # Unresolved layer ids (a foreign checkpoint loaded without its target): the family's default count.
+        n_feats = len(config.target_layer_ids or ()) or config.num_default_target_features
         self.fc = nn.Linear(n_feats * config.target_hidden_size, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling_parameters, config.max_position_embeddings
+        )
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         t2d = torch.zeros(config.target_vocab_size, dtype=torch.bool)
         t2d[: config.draft_vocab_size] = True
@@ -155,6 +169,14 @@ class Eagle3ForDrafting(DrafterPreTrainedModel):
     def check_loaded_weights(self) -> None:
         self.check_draft_vocab()
 
+    def check_target_layer_ids(self) -> None:
+        n_feats = self.fc.in_features // self.config.target_hidden_size
+        if len(self.config.target_layer_ids or ()) != n_feats:
+            raise ValueError(
+                f"Eagle3ForDrafting fuses {n_feats} target states (fc), but target_layer_ids is "
+                f"{self.config.target_layer_ids}: set target_layer_ids to {n_feats} ids."
+            )
+
     def check_draft_vocab(self) -> None:
         """Raises if ``d2t`` / ``t2d`` are inconsistent (e.g. a checkpoint with an all-zero ``d2t`` but a reduced
         vocabulary that is not the first ids)."""
@@ -176,11 +198,14 @@ class Eagle3ForDrafting(DrafterPreTrainedModel):
             features = torch.cat(list(features), dim=-1)
         return self.fc(features.to(self.fc.weight.dtype))
 
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of draft layer outputs (through the final ``norm`` unless ``norm_output`` is off)."""
+        return self.lm_head(self.norm(hidden) if self.config.norm_output else hidden)
+
     def _step(self, embeds, hidden, position_ids, valid, cache: SlotKVCache):
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
         out = self.midlayer(embeds, hidden, cos, sin, cache, valid)
-        logits = self.lm_head(self.norm(out))
-        return out, logits
+        return out, self.draft_logits(out)
 
     def forward(
         self,
@@ -301,54 +326,58 @@ class Eagle3ForDrafting(DrafterPreTrainedModel):
             # token at t + 1 + j, shifted left; the tail is padded with the last token (masked by the caller)
             shift = min(1 + j, t)
             emb = torch.cat([embeds_all[:, shift:], embeds_all[:, -1:].expand(bsz, shift, -1)], dim=1)
-            residual = hidden
-            x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
+            x, residual = layer.attention_input(emb, hidden)
             hidden = residual + self._ttt_attention(x, positions + j, valid.to(x.device), prev_kv)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-            outputs.append((self.lm_head(self.norm(hidden)), hidden))
+            outputs.append((self.draft_logits(hidden), hidden))
         return outputs
 
-    def compute_loss(self, batch, features, target_head=None, steps: int | None = None, decay: float = 0.8):
+    def compute_loss(self, batch, features, target_head=None, **loss_kwargs):
         """EAGLE-3 objective: ``Σ_j decay^j · CE(target distribution, draft distribution)`` over TTT steps.
 
-        Soft labels are the target's distribution over the draft vocabulary (``softmax(target_logits[..., t2d])``);
-        anchor ``t`` at step ``j`` is scored when the predicted token ``t + 2 + j`` exists, is a loss token
-        (``loss_mask``) and, with a reduced vocabulary, the target's argmax is in the draft vocabulary.
-        """
-        from ...training.features import target_logits_from_last_hidden
+        Soft labels are the target's distribution over the draft vocabulary
+        (:meth:`~hf_specdec.features.TargetFeatures.soft_labels`); anchor ``t`` at step ``j`` is scored when the
+        predicted token ``t + 2 + j`` exists, is a loss token (``loss_mask``) and, with a reduced vocabulary, the
+        target's argmax is in the draft vocabulary.
 
+        Loss kwargs (``loss_kwargs``): ``steps`` (default ``config.ttt_steps``, else ``num_draft_tokens``) and
+        ``decay`` (default ``config.ttt_decay``). Metrics: ``correct`` / ``valid`` per step, and the pass-by-pass
+        walk of :func:`~hf_specdec.features.walk_metrics` with ``K = min(num_draft_tokens, steps)``.
+        """
+        unknown = sorted(set(loss_kwargs) - set(self.loss_kwargs))
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}.compute_loss got unknown loss kwargs {unknown}; it takes {list(self.loss_kwargs)}."
+            )
         if target_head is None:
             raise ValueError("Eagle3ForDrafting.compute_loss needs the target's LM head for soft labels.")
-        steps = steps or self.config.num_draft_tokens
+        cfg = self.config
+        steps = loss_kwargs.get("steps") or getattr(cfg, "ttt_steps", None) or cfg.num_draft_tokens
+        decay = loss_kwargs.get("decay")
+        decay = float(getattr(cfg, "ttt_decay", 0.8) if decay is None else decay)
         input_ids = batch["input_ids"]
         attn_mask = batch.get("attention_mask")
         loss_mask = batch["loss_mask"].bool()
         if attn_mask is not None:
             loss_mask = loss_mask & attn_mask.bool()
+        loss_mask = loss_mask.to(self.device)
         bsz, t = input_ids.shape
-        draft_ids = self.draft_token_ids
-        softcap = getattr(self.bound_target.config, "final_logit_softcapping", None) if self.bound_target else None
-        with torch.no_grad():
-            tgt_logits = target_logits_from_last_hidden(target_head, features.last_hidden, draft_ids, softcap)
-            tgt_logits = tgt_logits.to(self.device)
-            target_p = torch.softmax(tgt_logits, dim=-1)  # (B, T, Vd): position s predicts token s + 1
-            target_top = tgt_logits.argmax(-1)  # draft-vocab index of the target's choice
-            in_vocab = torch.ones_like(loss_mask)
-            if self.config.draft_vocab_size < self.config.target_vocab_size:
-                full = target_logits_from_last_hidden(target_head, features.last_hidden, None, softcap)
-                in_vocab = self.t2d.to(full.device)[full.argmax(-1)].to(loss_mask.device)
-                del full
+        reduced = cfg.draft_vocab_size < cfg.target_vocab_size
+        labels = features.soft_labels(target_head, self.draft_token_ids if reduced else None)
+        target_p = labels.probs.to(self.device)  # (B, T, Vd): position s predicts token s + 1
+        target_top = labels.argmax.to(self.device)  # draft-vocab index of the target's choice
+        in_vocab = self.t2d[labels.full_argmax.to(self.device)] if reduced else torch.ones_like(loss_mask)
         outs = self.ttt_forward(input_ids, features.hidden_states, attn_mask, steps)
         loss = torch.zeros((), device=self.device)
-        correct, valid_n, chain = [], [], []
+        zero = torch.zeros((), device=self.device)
+        correct, valid_n = [], []
         chain_ok = None
-        anchors = None
+        accepted = torch.zeros(bsz, t, dtype=torch.long, device=self.device)
         for j, (logits, _) in enumerate(outs):
             width = t - 2 - j  # anchors whose predicted token (t + 2 + j) exists
             if width <= 0:
-                correct.append(torch.zeros((), device=self.device))
-                valid_n.append(torch.zeros((), device=self.device))
-                chain.append(torch.zeros((), device=self.device))
+                correct.append(zero)
+                valid_n.append(zero)
                 continue
             pred_pos = slice(2 + j, 2 + j + width)  # token positions predicted
             lab_pos = slice(1 + j, 1 + j + width)  # target distribution positions
@@ -358,21 +387,14 @@ class Eagle3ForDrafting(DrafterPreTrainedModel):
             n_valid = valid.sum()
             loss = loss + (decay**j) * (ce * valid).sum() / n_valid.clamp(min=1)
             hit = (logits[:, :width].argmax(-1) == target_top[:, lab_pos]) & valid
-            if chain_ok is None:
-                anchors = valid
-                chain_ok = hit
-            else:
-                chain_ok = chain_ok[:, :width] & hit
+            chain_ok = hit if chain_ok is None else chain_ok[:, :width] & hit
+            accepted[:, :width] += chain_ok.long()
             correct.append(hit.sum().float())
             valid_n.append(n_valid.float())
-            chain.append((chain_ok & anchors[:, :width]).sum().float())
-        return DraftLossOutput(
-            loss=loss,
-            correct=torch.stack(correct),
-            valid=torch.stack(valid_n),
-            chain_correct=torch.stack(chain),
-            anchors=anchors.sum().float() if anchors is not None else torch.zeros((), device=self.device),
-        )
+        metrics = {"correct": torch.stack(correct), "valid": torch.stack(valid_n)}
+        passes = walk_passes(accepted, loss_mask, min(cfg.num_draft_tokens, steps))
+        metrics.update(walk_metrics(passes, device=self.device))
+        return DraftLossOutput(loss=loss, metrics=metrics, accepted=accepted)
 
     # ------------------------------------------------------------------------------------------------------------
     # proposal interface
@@ -396,7 +418,7 @@ class Eagle3ForDrafting(DrafterPreTrainedModel):
         last = torch.where(valid, slot, -1).max(dim=1).values.clamp(min=0)
         rows = torch.arange(valid.shape[0], device=valid.device)
         state.last_hidden = out[rows, last]
-        state.last_logits = self.lm_head(self.norm(state.last_hidden))
+        state.last_logits = self.draft_logits(state.last_hidden)
         state.last_position = positions[rows, last]
 
     def propose(self, state: Eagle3DraftState, num_tokens: int, select: TokenSelector) -> Proposal:
@@ -419,3 +441,48 @@ class Eagle3ForDrafting(DrafterPreTrainedModel):
             hidden, logits = out[:, 0], step_logits[:, 0]
         draft_probs = torch.stack(probs, dim=1) if probs and probs[0] is not None else None
         return Proposal(tokens=torch.stack(tokens, dim=1), draft_probs=draft_probs, kind="chain")
+
+    # ------------------------------------------------------------------------------------------------------------
+    # tree drafting (EAGLE-2 dynamic trees and static trees; see hf_specdec.tree)
+    # ------------------------------------------------------------------------------------------------------------
+    def tree_start(self, state: Eagle3DraftState):
+        """Root of a tree proposal: the draft distribution after the last verified token."""
+        state.cache.crop(state.committed_slots)  # drop the slots of an earlier tree or chain proposal
+        state.tree_hidden = None
+        reduced = self.config.draft_vocab_size != self.config.target_vocab_size
+        return state.last_logits, (self.draft_token_ids if reduced else None)
+
+    def tree_expand(self, state: Eagle3DraftState, expansion) -> torch.Tensor:
+        """One draft-layer step over ``M`` tree nodes of one depth: each reads its parent's draft hidden state (the
+        last verified state for children of the root) and its own token, at position ``last + depth``, and attends
+        to the verified slots plus the slots of its expanded ancestors. Returns ``(batch, M, draft_vocab)``."""
+        bsz, m = expansion.tokens.shape
+        dev = state.last_hidden.device
+        parent = expansion.parent.to(dev)
+        if state.tree_hidden is None:
+            parent_hidden = state.last_hidden[:, None].expand(bsz, m, -1)
+        else:
+            idx = parent.clamp_min(0)[..., None].expand(-1, -1, state.tree_hidden.shape[-1])
+            parent_hidden = torch.where(
+                (parent >= 0)[..., None], state.tree_hidden.gather(1, idx), state.last_hidden[:, None]
+            )
+        committed = state.committed_slots
+        expanded = 0 if state.tree_hidden is None else state.tree_hidden.shape[1]
+        valid_prev = (
+            state.cache.valid[:, :committed] if committed else torch.zeros(bsz, 0, dtype=torch.bool, device=dev)
+        )
+        mask = torch.cat(
+            [
+                valid_prev[:, None].expand(bsz, m, committed),
+                expansion.ancestors.to(dev)[:, :, :expanded],
+                torch.eye(m, dtype=torch.bool, device=dev)[None].expand(bsz, m, m),
+            ],
+            dim=2,
+        )
+        pos = (state.last_position + expansion.depth)[:, None].expand(bsz, m)
+        cos, sin = self.rotary_emb(pos, parent_hidden.dtype)
+        embeds = self.embed_target_tokens(expansion.tokens)
+        ones = torch.ones(bsz, m, dtype=torch.bool, device=dev)
+        out = self.midlayer(embeds, parent_hidden, cos, sin, state.cache, ones, attn_mask=mask)
+        state.tree_hidden = out if state.tree_hidden is None else torch.cat([state.tree_hidden, out], dim=1)
+        return self.draft_logits(out).float()

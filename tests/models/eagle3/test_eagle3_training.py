@@ -71,11 +71,34 @@ def test_loss_masks_and_metrics():
     out = drafter.compute_loss(batch, feats, target.get_output_embeddings(), steps=3)
     assert out.loss.requires_grad and out.loss.item() > 0
     # Step j scores anchors t with t + 2 + j in [8, 12): 4 tokens per row at every step.
-    assert out.valid.tolist() == [8.0, 8.0, 8.0]
-    assert out.anchors.item() == 8.0
-    assert (out.chain_correct <= out.correct).all() and (out.correct <= out.valid).all()
+    m = out.metrics
+    assert m["valid"].tolist() == [8.0, 8.0, 8.0]
+    assert (m["correct"] <= m["valid"]).all()
+    # The walk: each row's region 8..11 starts at anchor 7 and covers 3 drafted tokens in at least one pass.
+    assert m["walk_passes_all"].item() >= 2 and m["walk_tokens_all"].item() == 2 * 3
+    assert out.accepted.shape == ids.shape and int(out.accepted.max()) <= 3
     none = drafter.compute_loss({**batch, "loss_mask": torch.zeros_like(ids)}, feats, target.get_output_embeddings())
-    assert none.loss.item() == 0.0 and none.valid.sum().item() == 0
+    assert none.loss.item() == 0.0 and none.metrics["valid"].sum().item() == 0
+    assert none.metrics["walk_passes_all"].item() == 0
+
+
+def test_ttt_knobs_live_in_the_config_or_declared_loss_kwargs():
+    target = make_target("llama", seed=2)
+    drafter = _drafter(target, num_draft_tokens=4, ttt_steps=2, ttt_decay=0.5)
+    ids, mask = ragged_batch(2, length=12)
+    feats = capture_target_features(target, ids, mask, drafter.config.target_layer_ids)
+    batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask}
+    head = target.get_output_embeddings()
+    assert drafter.compute_loss(batch, feats, head).metrics["valid"].shape == (2,)  # config.ttt_steps
+    assert drafter.compute_loss(batch, feats, head, steps=3).metrics["valid"].shape == (3,)  # loss kwarg
+    a = drafter.compute_loss(batch, feats, head).loss
+    b = drafter.compute_loss(batch, feats, head, decay=0.5).loss
+    c = drafter.compute_loss(batch, feats, head, decay=0.9).loss
+    assert a.item() == b.item() and c.item() > a.item()
+    with pytest.raises(TypeError, match="unknown loss kwargs"):
+        drafter.compute_loss(batch, feats, head, lambda0=0.2)
+    # The knobs are saved with the drafter.
+    assert Eagle3Config.from_dict(drafter.config.to_dict()).ttt_steps == 2
 
 
 def test_a_few_steps_lower_the_loss_and_touch_only_drafter_parameters():

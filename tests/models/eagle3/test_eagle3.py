@@ -14,6 +14,11 @@ class TestEagle3(DrafterTesterMixin):
     config_overrides = {"intermediate_size": 64}
     proposal_kind = "chain"
 
+    def teacher_forced_draft_logits(self, drafter, input_ids, hidden_states, attention_mask, steps):
+        # Training-time test: step j at anchor t reads the teacher-forced token t + 1 + j.
+        feats = drafter.select_target_features(hidden_states)
+        return [logits for logits, _ in drafter.ttt_forward(input_ids, feats, attention_mask, steps)]
+
 
 def test_default_layer_ids_follow_reference():
     # hidden_states[2], [L // 2], [L - 3] (inputs of decoder layers 2, L//2, L-3), e.g. [2, 16, 29] for 32 layers.

@@ -1,0 +1,125 @@
+"""Honest figures: every speedup and τ figure in README.md and model_cards/*.md comes from a results file.
+
+A figure is a number with decimals followed by ``×`` (or ``x``), a number after ``τ`` / ``tau``, or a number in a
+Markdown table column headed by ``τ``, ``speedup`` or ``bound``. It is backed when a results file under
+``model_cards/results/`` holds a value that rounds to it: in JSON, under a key naming a speedup (``speedup``,
+``predicted_speedup``, ``speedup_bound``, ...) or a τ (``mean_accepted_length``, ``simulated_tau``, ...); in the
+Markdown reports, as a ``×`` figure or in a τ column. README.md names the command that writes each results file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "model_cards" / "results"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "model_cards").glob("*.md"))]
+
+NUMBER = r"(\d+\.\d+)"
+SPEEDUP_RE = re.compile(r"(?<![\w.])" + NUMBER + r"\s?(?:×|x(?![\w]))")
+TAU_RE = re.compile(r"(?:τ|\btau\b)\s*(?:=|≈|was|is|of|:)?\s*" + NUMBER)
+SPEEDUP_KEYS = ("speedup", "bound")
+TAU_KEYS = ("tau", "accepted_length")
+
+
+def _table_figures(text: str) -> list[tuple[str, str]]:
+    """``(kind, figure)`` for the numbers in Markdown table columns headed by τ, speedup or bound."""
+    out = []
+    header = None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if header is None:
+            header = cells
+            continue
+        if all(set(c) <= set(":- ") for c in cells):
+            continue
+        for name, cell in zip(header, cells):
+            low = name.lower()
+            kind = "tau" if "τ" in name or low == "tau" else "speedup" if ("speedup" in low or low == "bound") else None
+            if kind:
+                out += [(kind, m) for m in re.findall(NUMBER, cell)]
+    return out
+
+
+def figures(text: str) -> list[tuple[str, str]]:
+    """Every speedup / τ figure of a Markdown text, as ``(kind, figure)``."""
+    found = [("speedup", m) for m in SPEEDUP_RE.findall(text)]
+    found += [("tau", m) for m in TAU_RE.findall(text)]
+    return found + _table_figures(text)
+
+
+def _walk(node, key=""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _walk(v, str(k).lower())
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk(v, key)
+    elif isinstance(node, (int, float)) and not isinstance(node, bool):
+        yield key, float(node)
+
+
+def backed_values() -> dict[str, set[float]]:
+    """The speedup and τ values that the results files hold."""
+    values: dict[str, set[float]] = {"speedup": set(), "tau": set()}
+    for path in sorted(RESULTS.rglob("*")):
+        if path.suffix == ".json":
+            for key, value in _walk(json.loads(path.read_text(encoding="utf-8"))):
+                if any(k in key for k in SPEEDUP_KEYS):
+                    values["speedup"].add(value)
+                if any(k in key for k in TAU_KEYS):
+                    values["tau"].add(value)
+        elif path.suffix == ".md":
+            for kind, figure in figures(path.read_text(encoding="utf-8")):
+                values[kind].add(float(figure))
+    return values
+
+
+def is_backed(kind: str, figure: str, values: dict[str, set[float]]) -> bool:
+    decimals = len(figure.split(".")[1])
+    x = float(figure)
+    return any(abs(v - x) <= 0.5 * 10**-decimals + 1e-9 for v in values[kind])
+
+
+def test_figure_parser_finds_what_it_must():
+    text = (
+        "speculative decoding: 1.68x faster, tau = 4.39 tokens; EAGLE-3 1.19× (τ 3.11), a 3 × 384 matrix, "
+        "simulated τ 4.57\n\n| Method | Speedup | τ | α |\n|:--|--:|--:|--:|\n| a | **1.60×** | 4.31 | 0.88 |\n"
+    )
+    got = sorted(figures(text))
+    assert got == sorted(
+        [("speedup", "1.68"), ("speedup", "1.19"), ("speedup", "1.60"), ("speedup", "1.60")]
+        + [("tau", "4.39"), ("tau", "3.11"), ("tau", "4.57"), ("tau", "4.31")]
+    )
+    values = {"speedup": {1.6812, 1.19}, "tau": {4.3051}}
+    assert is_backed("speedup", "1.68", values) and is_backed("tau", "4.31", values)
+    assert not is_backed("speedup", "1.75", values) and not is_backed("tau", "4.3", {"tau": {4.36}})
+    assert is_backed("tau", "4.3", values)
+
+
+def test_results_files_exist_and_readme_names_their_commands():
+    files = sorted(p for p in RESULTS.iterdir() if p.suffix in (".json", ".md"))
+    assert files, "model_cards/results/ is empty"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for path in files:
+        if path.suffix == ".json":
+            json.loads(path.read_text(encoding="utf-8"))
+            assert f"`{path.name}`" in readme or f"`{path.stem}.{{" in readme, (
+                f"README.md's table of results files does not name {path.name} (and the command that writes it)"
+            )
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_speedup_and_tau_figure_has_a_results_file(doc):
+    values = backed_values()
+    text = doc.read_text(encoding="utf-8")
+    orphans = sorted({f"{kind} {figure}" for kind, figure in figures(text) if not is_backed(kind, figure, values)})
+    assert not orphans, f"{doc.name}: figures without a results file in model_cards/results/: {orphans}"

@@ -1,0 +1,192 @@
+"""Repository rules: family code stays in its folder, and imports go one way through the layers.
+
+Layers (a module may import its own layer and the ones below, never one above, not even inside a function):
+  1 types      generation/proposals.py, generation/outputs.py, configuration_utils.py, layers.py, features.py
+  2 core       modeling_utils, verification/, tree/, convert.py (the layout registry), registry.py, auto.py
+  3 families   models/<family>/ (a family never imports another family), testing.py (the replay drafter)
+  4 consumers  generation/ (the loop, the hook), training/, bench/
+  5 top        cards.py, cli.py, demo.py, selfcheck.py, the package's __init__.py
+"""
+
+import ast
+import os
+import re
+import tokenize
+
+import pytest
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "hf_specdec")
+FAMILY_NAMES = ("eagle", "medusa", "hydra", "blockwise", "mtp", "dflash", "dspark", "specblock")
+# A family name anywhere in a word ("Eagle3Config", "eagle3_drafter", "EAGLE-3"), except "mtp", which is only a
+# name when it is not part of a longer word, and "eagle2" / "EAGLE-2", which names a tree policy (the dynamic tree of
+# hf_specdec.tree, usable with any drafter that drafts trees), not a drafter family.
+FAMILY_RE = re.compile(
+    r"eagle(?!-?2(?![0-9]))|medusa|hydra|blockwise|dflash|dspark|specblock|(?<![a-z])mtp(?![a-z])", re.IGNORECASE
+)
+
+TYPES, CORE, FAMILIES, CONSUMERS, TOP = 1, 2, 3, 4, 5
+LAYER_NAMES = {TYPES: "types", CORE: "core", FAMILIES: "families", CONSUMERS: "consumers", TOP: "top"}
+LAYERS = {
+    "generation.proposals": TYPES,
+    "generation.outputs": TYPES,
+    "configuration_utils": TYPES,
+    "layers": TYPES,
+    "features": TYPES,
+    "modeling_utils": CORE,
+    "verification": CORE,
+    "tree": CORE,
+    "convert": CORE,
+    "registry": CORE,
+    "auto": CORE,
+    "models": FAMILIES,
+    "testing": FAMILIES,
+    "generation": CONSUMERS,
+    "training": CONSUMERS,
+    "bench": CONSUMERS,
+    "cards": TOP,
+    "cli": TOP,
+    "demo": TOP,
+    "selfcheck": TOP,
+    "__init__": TOP,
+    "__main__": TOP,
+}
+
+
+def _python_files(root=SRC):
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if name.endswith(".py"):
+                yield os.path.join(folder, name)
+
+
+def _module_name(path: str) -> str:
+    rel = os.path.relpath(path, SRC)[: -len(".py")].replace(os.sep, ".")
+    return rel.removesuffix(".__init__") if rel != "__init__" else "__init__"
+
+
+def _is_package(module: str) -> bool:
+    return os.path.isfile(os.path.join(SRC, *module.split("."), "__init__.py"))
+
+
+def layer_of(module: str) -> int:
+    """Longest prefix of ``module`` in LAYERS (``models.eagle3.modeling_eagle3`` -> ``models``)."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYERS:
+            return LAYERS[".".join(parts[:n])]
+    raise AssertionError(f"hf_specdec.{module} has no layer: add it to LAYERS in tests/test_repository.py")
+
+
+def imports_of(path: str) -> list[tuple[str, int]]:
+    """Every hf_specdec module ``path`` imports (module level and inside functions), with line numbers."""
+    module = _module_name(path)
+    package = module if (_is_package(module) or module == "__init__") else module.rpartition(".")[0]
+    package = "" if package == "__init__" else package
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "hf_specdec" or alias.name.startswith("hf_specdec."):
+                    found.append((alias.name.removeprefix("hf_specdec").lstrip(".") or "__init__", node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".") if package else []
+                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and (node.module == "hf_specdec" or node.module.startswith("hf_specdec.")):
+                target = node.module.removeprefix("hf_specdec").lstrip(".")
+            else:
+                continue
+            for alias in node.names:  # `from . import cards` imports the submodule `cards`
+                if not target and alias.name.startswith("__"):
+                    continue  # package metadata (`from .. import __version__`): the root is loaded first anyway
+                sub = f"{target}.{alias.name}" if target else alias.name
+                if alias.name != "*" and (
+                    _is_package(sub) or os.path.isfile(os.path.join(SRC, *sub.split(".")) + ".py")
+                ):
+                    found.append((sub, node.lineno))
+                else:
+                    found.append((target or "__init__", node.lineno))
+    return found
+
+
+def test_no_family_name_outside_models():
+    """Consumers learn about families from the registry: no family name in code, strings or file names."""
+    offenders = []
+    models = os.path.join(SRC, "models")
+    for folder, dirs, files in os.walk(SRC):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        if folder == models or folder.startswith(models + os.sep):
+            continue
+        for name in dirs + files:
+            if FAMILY_RE.search(name):
+                offenders.append(f"{os.path.relpath(os.path.join(folder, name), SRC)}: file name")
+    for path in _python_files():
+        if path.startswith(models + os.sep):
+            continue
+        with open(path, "rb") as fh:
+            for tok in tokenize.tokenize(fh.readline):
+                if tok.type in (tokenize.NAME, tokenize.STRING) and FAMILY_RE.search(tok.string):
+                    word = FAMILY_RE.search(tok.string).group(0)
+                    offenders.append(f"{os.path.relpath(path, SRC)}:{tok.start[0]}: {word!r} in {tok.string[:60]!r}")
+    assert not offenders, "family names outside models/:\n" + "\n".join(offenders)
+
+
+def test_family_name_check_can_fail(tmp_path):
+    """The pattern catches identifiers and strings of every kind it should, and leaves ordinary words alone."""
+    for text in ("Eagle3Config", "eagle3_drafter", "EAGLE-3", "MedusaHead", "use_mtp", "MTP", "DFlash", "dspark"):
+        assert FAMILY_RE.search(text), text
+    for text in ("attempt", "template", "block_size", "speculative", "hidden_states"):
+        assert not FAMILY_RE.search(text), text
+
+
+def layer_violations() -> list[str]:
+    violations = []
+    for path in _python_files(SRC):
+        module = _module_name(path)
+        own = layer_of(module)
+        for imported, line in imports_of(path):
+            theirs = layer_of(imported)
+            where = f"hf_specdec.{module} (line {line}) imports hf_specdec.{imported}"
+            if theirs > own:
+                violations.append(f"{where}: {LAYER_NAMES[own]} -> {LAYER_NAMES[theirs]}")
+            elif module.startswith("models.") and imported.startswith("models."):
+                mine, other = module.split(".")[1], imported.split(".")[1:2]
+                if other and other[0] != mine and _is_package(f"models.{mine}"):
+                    violations.append(f"{where}: one family imports another")
+    return violations
+
+
+def test_imports_go_one_way():
+    violations = layer_violations()
+    assert not violations, "imports against the layers:\n" + "\n".join(violations)
+
+
+@pytest.mark.parametrize(
+    "source, module, bad",
+    [
+        ("from .cards import push_drafter\n", "modeling_utils", True),  # core -> top
+        ("def f():\n    from ...training.trainer import x\n", "models.fam.modeling_fam", True),  # in a function
+        ("import hf_specdec.cli\n", "registry", True),
+        ("from ..other import y\n", "models.fam.modeling_fam", True),  # a family importing another family
+        ("from ...layers import RMSNorm\n", "models.fam.modeling_fam", False),
+        ("from .registry import DRAFTERS\nfrom . import __version__\n", "cli", False),
+    ],
+)
+def test_import_check_can_fail(tmp_path, monkeypatch, source, module, bad):
+    """The layering check flags what it should, on a fake module tree."""
+    import test_repository as rules
+
+    fake_src = tmp_path / "hf_specdec"
+    for name in ("models/fam", "models/other", "training"):
+        (fake_src / name).mkdir(parents=True, exist_ok=True)
+        (fake_src / name / "__init__.py").write_text("")
+    for name in ("__init__", "models/__init__", "cards", "cli", "registry", "layers", "modeling_utils"):
+        (fake_src / f"{name}.py").write_text("")
+    for name in ("models/fam/modeling_fam", "training/trainer"):
+        (fake_src / f"{name}.py").write_text("")
+    (fake_src / (module.replace(".", "/") + ".py")).write_text(source)
+    monkeypatch.setattr(rules, "SRC", str(fake_src))
+    assert bool(rules.layer_violations()) == bad
