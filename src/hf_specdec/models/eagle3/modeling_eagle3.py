@@ -95,6 +95,7 @@ class Eagle3DraftState:
     last_logits: torch.Tensor | None = None  # (batch, draft_vocab)
     last_position: torch.Tensor | None = None  # (batch,)
     tree_hidden: torch.Tensor | None = None  # (batch, expanded nodes, hidden) while a tree is being drafted
+    confidence_threshold: float | None = None  # stop a row's chain when the draft's top probability falls below
 
 
 class Eagle3ForDrafting(DrafterPreTrainedModel):
@@ -115,6 +116,7 @@ class Eagle3ForDrafting(DrafterPreTrainedModel):
     requires_target_hidden_states = True
     borrows_target_embeddings = True
     supports_tree_drafting = True
+    draft_options = {"draft_confidence_threshold": None}
     lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc")
     loss_kwargs = ("steps", "decay")  # TTT steps and their decay (defaults: config.ttt_steps / ttt_decay)
     _no_split_modules = ["Eagle3DecoderLayer"]
@@ -399,8 +401,14 @@ class Eagle3ForDrafting(DrafterPreTrainedModel):
     # ------------------------------------------------------------------------------------------------------------
     # proposal interface
     # ------------------------------------------------------------------------------------------------------------
-    def init_draft_state(self, batch_size: int, max_length: int) -> Eagle3DraftState:
-        return Eagle3DraftState(cache=SlotKVCache())
+    def init_draft_state(
+        self, batch_size: int, max_length: int, draft_confidence_threshold: float | None = None
+    ) -> Eagle3DraftState:
+        if draft_confidence_threshold is not None and not 0.0 <= float(draft_confidence_threshold) <= 1.0:
+            raise ValueError(
+                f"draft_confidence_threshold must be a probability in [0, 1], got {draft_confidence_threshold!r}."
+            )
+        return Eagle3DraftState(cache=SlotKVCache(), confidence_threshold=draft_confidence_threshold)
 
     def observe(self, state: Eagle3DraftState, inputs: DraftInputs) -> None:
         # Drop the speculative slots of the last proposal; the verified slots below replace them.
@@ -422,13 +430,26 @@ class Eagle3ForDrafting(DrafterPreTrainedModel):
         state.last_position = positions[rows, last]
 
     def propose(self, state: Eagle3DraftState, num_tokens: int, select: TokenSelector) -> Proposal:
+        """Drafts a chain; with ``draft_confidence_threshold`` (a ``generate`` option) a row stops before the first
+        depth whose draft distribution has a top probability below the threshold, so rows propose different lengths.
+
+        The stop is decided from the distribution *before* its token is drawn, so it never depends on the drawn
+        token and lossless sampling stays exact."""
         tokens, probs = [], []
         logits, hidden = state.last_logits, state.last_hidden
         bsz = hidden.shape[0]
         ones = torch.ones(bsz, 1, dtype=torch.bool, device=hidden.device)
         reduced = self.config.draft_vocab_size != self.config.target_vocab_size
         vocab_ids = self.draft_token_ids if reduced else None
+        threshold = state.confidence_threshold
+        lengths = torch.zeros(bsz, dtype=torch.long, device=hidden.device)
+        alive = torch.ones(bsz, dtype=torch.bool, device=hidden.device)
         for depth in range(num_tokens):
+            if threshold is not None:
+                alive &= torch.softmax(logits.float(), dim=-1).amax(dim=-1) >= threshold
+                if depth > 0 and not bool(alive.any()):
+                    break
+                lengths += alive.long()
             tok, q = select(logits.float(), depth, vocab_ids)
             tokens.append(tok)
             probs.append(q)
@@ -440,7 +461,12 @@ class Eagle3ForDrafting(DrafterPreTrainedModel):
             )
             hidden, logits = out[:, 0], step_logits[:, 0]
         draft_probs = torch.stack(probs, dim=1) if probs and probs[0] is not None else None
-        return Proposal(tokens=torch.stack(tokens, dim=1), draft_probs=draft_probs, kind="chain")
+        return Proposal(
+            tokens=torch.stack(tokens, dim=1),
+            draft_probs=draft_probs,
+            kind="chain",
+            lengths=lengths if threshold is not None else None,
+        )
 
     # ------------------------------------------------------------------------------------------------------------
     # tree drafting (EAGLE-2 dynamic trees and static trees; see hf_specdec.tree)
