@@ -63,6 +63,9 @@ class FamilyChecksMixin:
             ):
                 ref, out = self._greedy_pair(target, drafter, batch, **tree)
                 assert torch.equal(out.sequences, ref), (arch, tree)
+                # ASD along the tree with no budget is strict greedy verification.
+                _, strict = self._greedy_pair(target, drafter, batch, verifier="asd", asd_budget=0.0, **tree)
+                assert torch.equal(strict.sequences, ref), (arch, tree, "asd B=0")
 
     def test_tree_sampling_distribution(self):
         """Lossless tree sampling (EAGLE-2 trees of the family's untrained drafter) passes the shared distribution

@@ -113,3 +113,29 @@ def test_cli_loss_kwargs_and_stop_flags_parse():
     assert _loss_kwargs(build_parser().parse_args(argv[:5])) is None
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         _loss_kwargs(build_parser().parse_args([*argv[:5], "--loss-kwarg", "novalue"]))
+
+
+def test_init_from_target_runs_on_fresh_drafters_only(tmp_path):
+    """A family's target-dependent initialisation (e.g. heads copied from the target's LM head) runs once, on a
+    drafter that starts from scratch, before training; a resumed run does not run it again."""
+    target = make_target("llama", seed=2)
+    data = self_distilled(target, 4)
+    calls = []
+
+    class CopiesHead(type(fresh(target))):
+        def init_from_target(self, tgt):
+            calls.append(tgt)
+            with torch.no_grad():
+                self.lm_head.weight.copy_(tgt.get_output_embeddings().weight[: self.lm_head.weight.shape[0]])
+            calls.append(self.lm_head.weight.detach().clone())
+
+    drafter = CopiesHead(fresh(target).config)
+    head = target.get_output_embeddings().weight[: drafter.lm_head.weight.shape[0]].detach().clone()
+    trainer = DrafterTrainer(drafter, target, args(tmp_path, max_steps=2, save_steps=2, eval_steps=2), data)
+    trainer.train()
+    assert len(calls) == 2 and calls[0] is target and torch.equal(calls[1], head)  # ran once, before any step
+    assert not torch.equal(trainer.unwrapped_drafter.lm_head.weight, head)  # then trained from there
+    resumed = CopiesHead(fresh(target).config)
+    again = DrafterTrainer(resumed, target, args(tmp_path, max_steps=3, save_steps=2, eval_steps=2), data)
+    again.train(resume=True)
+    assert len(calls) == 2  # not called again on resume

@@ -19,11 +19,12 @@ class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
             unfinished, *counting the bonus token* (so every entry is in ``1..num_draft_tokens + 1``; the token
             produced by the prefill pass is not included). Entries are cut by EOS / the length limit.
         draft_lengths: per row, the number of draft tokens proposed for each of those passes (aligned with
-            ``accepted_lengths``; smaller than ``num_draft_tokens`` near the length limit).
+            ``accepted_lengths``; smaller than ``num_draft_tokens`` near the length limit or when the drafter stops
+            early; for trees, the number of tree nodes).
         timings: wall-clock seconds of the whole call, split into ``prefill_s`` (first target pass), ``target_s``
             (verification passes), ``draft_s`` (drafter: observing verified tokens and proposing) and ``verify_s``
-            (acceptance rule and bookkeeping); ``draft_steps`` (draft tokens proposed) and ``passes`` (verification
-            passes), counted once per batch. Exact on CPU; pass ``spec_timing=True`` for exact figures on CUDA.
+            (acceptance rule and bookkeeping); ``draft_steps`` (sequential draft positions: chain tokens proposed, or
+            the depth of each tree) and ``passes`` (verification passes), counted once per batch. Exact on CPU; pass ``spec_timing=True`` for exact figures on CUDA.
         num_target_forwards: ``(batch,)`` target forward passes each row took part in before finishing, the
             prefill included.
         num_draft_tokens: the draft length ``K`` used.
