@@ -139,3 +139,25 @@ def test_init_from_target_runs_on_fresh_drafters_only(tmp_path):
     again = DrafterTrainer(resumed, target, args(tmp_path, max_steps=3, save_steps=2, eval_steps=2), data)
     again.train(resume=True)
     assert len(calls) == 2  # not called again on resume
+
+
+def test_online_features_capture_only_the_layers_read():
+    from hf_specdec.training.features import capture_target_features
+
+    target = make_target("llama", seed=1, layers=6)
+    seen = []
+    original = target.forward
+
+    def forward(*a, **kw):
+        seen.append(kw.get("output_hidden_states"))
+        return original(*a, **kw)
+
+    target.forward = forward
+    ids = torch.randint(6, 90, (2, 10))
+    feats = capture_target_features(target, ids, torch.ones_like(ids), [2, 4, 5])
+    assert seen == [[-1, 2, 4, 5]]
+    del target.forward
+    full = target(ids, output_hidden_states=True).hidden_states
+    for got, i in zip(feats.hidden_states, [2, 4, 5]):
+        torch.testing.assert_close(got, full[i])
+    torch.testing.assert_close(feats.last_hidden, full[-1])

@@ -31,8 +31,10 @@ __all__ = [
 ]
 
 
-def _run_target(target: nn.Module, input_ids, attention_mask):
-    kwargs = {"output_hidden_states": True, "use_cache": False, "return_dict": True}
+def _run_target(target: nn.Module, input_ids, attention_mask, layer_ids=None):
+    # Only the layers the drafter reads and the last one are kept (output_hidden_states=[ids]), not every layer.
+    selected = True if layer_ids is None else sorted({int(i) for i in layer_ids} | {-1})
+    kwargs = {"output_hidden_states": selected, "use_cache": False, "return_dict": True}
     fn = getattr(target, "_supports_logits_to_keep", None)
     if callable(fn) and fn():
         kwargs["logits_to_keep"] = 1
@@ -65,13 +67,13 @@ def capture_target_features(
             hidden state as ``teacher_last_hidden``: the teacher of a family that trains a target adapter.
     """
     with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
-        hs = _run_target(target, input_ids, attention_mask)
+        hs = _run_target(target, input_ids, attention_mask, layer_ids)
     teacher = None
     if teacher_without_adapter:
         if not hasattr(target, "disable_adapter"):
             raise ValueError(f"{type(target).__name__} has no adapter to disable (expected a peft model).")
         with torch.no_grad(), target.disable_adapter():
-            teacher = _run_target(target, input_ids, attention_mask)[-1]
+            teacher = _run_target(target, input_ids, attention_mask, [])[-1]
     return TargetFeatures(
         hidden_states=[hs[i] for i in layer_ids],
         last_hidden=hs[-1],
