@@ -19,6 +19,7 @@ __all__ = [
     "rope_parameters",
     "rope_refusal",
     "SlotKVCache",
+    "compaction_index",
     "GatedMLP",
     "apply_rotary",
     "slot_attention",
@@ -340,6 +341,31 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+def compaction_index(valid: torch.Tensor, min_waste: int = 16, min_share: float = 0.1):
+    """Where a batched slot cache should move its live slots, if it is worth it.
+
+    Rows accept different numbers of tokens, so a shared slot cache accumulates dead slots (padding, rejected tokens):
+    the cache grows faster than the longest row. When the dead slots common to all rows exceed ``min_waste`` slots
+    and ``min_share`` of the cache, returns ``(index, new_valid)``: ``index[b, j]`` is the old slot that becomes slot
+    ``j`` of row ``b`` (live slots keep their order and are right-aligned, so new slots keep coming after them), and
+    ``new_valid`` the new ``(batch, max live)`` mask. Keys are stored after RoPE, so moving slots changes nothing the
+    attention computes. Returns ``None`` when compaction would not pay.
+    """
+    live = valid.bool()
+    total = live.shape[1]
+    count = live.long().sum(dim=1)
+    longest = int(count.max()) if count.numel() else 0
+    waste = total - longest
+    if waste < min_waste or waste < min_share * total:
+        return None
+    order = torch.sort((~live).to(torch.int8), dim=1, stable=True).indices[:, :longest]  # live slots first, in order
+    shift = longest - count
+    src = torch.arange(longest, device=valid.device)[None] - shift[:, None]
+    new_valid = src >= 0
+    index = order.gather(1, src.clamp_min(0))
+    return index, new_valid
+
+
 @dataclass
 class SlotKVCache:
     """A drafter KV cache whose slots can be individually invalidated.
@@ -365,6 +391,20 @@ class SlotKVCache:
             self.values = torch.cat([self.values, values], dim=2)
             self.valid = torch.cat([self.valid, valid], dim=1)
         return self.keys, self.values, self.valid
+
+    def compact(self, min_waste: int = 16, min_share: float = 0.1) -> bool:
+        """Drops slots dead in every row (see :func:`compaction_index`); returns whether it did."""
+        if self.keys is None:
+            return False
+        plan = compaction_index(self.valid, min_waste, min_share)
+        if plan is None:
+            return False
+        index, new_valid = plan
+        idx = index[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[3])
+        self.keys = self.keys.gather(2, idx)
+        self.values = self.values.gather(2, idx)
+        self.valid = new_valid
+        return True
 
     def crop(self, length: int) -> None:
         if self.keys is not None and length < self.length:

@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
+from ..layers import compaction_index
 from ..tree.policies import TREE_OPTIONS, make_tree_policy
 from ..tree.structure import ancestor_matrix, node_depths, validate_parents
 from ..verification import get_verifier
@@ -213,6 +214,7 @@ class TargetPasses:
             self.feature_ids = True  # a drafter that reads features but names none gets them all
         self.drafter_name = type(drafter).__name__
         self.attn_impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        self.compactions = 0
         self._check_sliding_window(use_slot_mask, max_width)
 
     def _check_sliding_window(self, use_slot_mask, max_width) -> None:
@@ -299,16 +301,18 @@ class TargetPasses:
         """After verification: keep, per row, the slots of the last token and its accepted path; drop the rest.
 
         ``keep_cols`` (``(batch, n_max + 1)``) are the pass columns to keep in order (trees: the root, then the
-        accepted path); ``None`` for chains, whose accepted path is already in place.
+        accepted path); ``None`` for chains, whose accepted path is already in place. ``num_accepted`` is ``-1`` for
+        rows that have finished: none of their new slots is kept.
         """
-        n_max = int(num_accepted.max())
+        n_max = max(int(num_accepted.max()), 0)  # -1: a finished row keeps nothing
         kept = n_max + 1
         if keep_cols is not None and n_max > 0:
             for layer in getattr(self.cache, "layers", []):
                 for name in ("keys", "values"):
                     tensor = getattr(layer, name)
                     start = tensor.shape[2] - width
-                    idx = keep_cols.to(tensor.device)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+                    cols = keep_cols[:, :kept].to(tensor.device)
+                    idx = cols[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
                     tensor[:, :, start : start + kept] = tensor[:, :, start:].gather(2, idx)
         if self.slot_mask is not None:
             base = self.slot_mask.shape[1] - width
@@ -317,7 +321,26 @@ class TargetPasses:
             self.slot_mask = self.slot_mask[:, : base + kept]
         if width > kept:
             self.cache.crop(kept - width)
-        self.next_pos = self.next_pos + num_accepted + 1
+        self.next_pos = self.next_pos + num_accepted.clamp_min(-1) + 1
+        self._compact()
+
+    def _compact(self) -> None:
+        """Moves the live slots of a batched cache together once enough slots are dead in every row (padding,
+        rejected tokens), so that the cache stays within a small margin of the longest row instead of growing with
+        every rejection. Positions are explicit and keys carry their RoPE, so nothing the target computes changes."""
+        if self.slot_mask is None or self._sliding:
+            return
+        plan = compaction_index(self.slot_mask)
+        if plan is None:
+            return
+        index, new_valid = plan
+        for layer in getattr(self.cache, "layers", []):
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name)
+                idx = index.to(tensor.device)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+                setattr(layer, name, tensor.gather(2, idx))
+        self.slot_mask = new_valid.to(self.slot_mask.dtype)
+        self.compactions += 1
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -660,7 +683,10 @@ def speculative_generate(
         committed = out.commit(new_tokens, n + 1, path_scores, path_raw)  # 0 for rows already finished
         stats.accept_log.append(committed)
         stats.draft_log.append(drafted.masked_fill(finished_before, 0))
-        target.keep(n, keep_cols, width)
+        start_pos = target.next_pos
+        # Rows that have finished keep no new slot (their later tokens are never used), in either cache.
+        n_live = n.masked_fill(out.finished, -1)
+        target.keep(n_live, keep_cols, width)
         t3 = stats.add("verify_s", t2)
 
         if out.done:
@@ -671,8 +697,8 @@ def speculative_generate(
             state,
             DraftInputs(
                 next_token_ids=new_tokens,
-                position_ids=(target.next_pos - n - 1)[:, None] + offsets,
-                valid=offsets <= n[:, None],
+                position_ids=start_pos[:, None] + offsets,
+                valid=offsets <= n_live[:, None],
                 hidden_states=path_hidden,
                 logits=path_raw,
                 feedback=VerificationFeedback(
@@ -691,6 +717,8 @@ def speculative_generate(
     if streamer is not None:
         streamer.end()
     stats.finish()
+    stats.timings["cache_compactions"] = target.compactions
+    stats.timings["cache_length"] = int(cache.get_seq_length())
     out_seq = out.sequences(pad_value).to(in_device)
     if not ret_dict:
         return out_seq

@@ -420,6 +420,7 @@ class Eagle3ForDrafting(DrafterPreTrainedModel):
         positions = inputs.position_ids.to(self.device)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         out = self.midlayer(embeds, hidden, cos, sin, state.cache, valid)
+        state.cache.compact()  # batched rows leave dead slots (padding, rejected tokens): drop them now and then
         state.committed_slots = state.cache.length
         # Latest verified slot of each row: only its logits are needed (the first draft token).
         slot = torch.arange(valid.shape[1], device=valid.device)
