@@ -99,6 +99,7 @@ def _dump_features(args) -> int:
         dtype=args.feature_dtype,
         batch_size=args.batch_size,
         resume=not args.no_resume,
+        tokenizer=tokenizer,
     )
     print(f"dumped features of {index.get('num_examples', len(examples))} examples to {args.output_dir}")
     return 0
@@ -634,9 +635,51 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Integer options that must be >= 1 when given (0 or a negative value is a mistake, never "use the default").
+_POSITIVE_INT_OPTIONS = (
+    "k", "max_new_tokens", "num_draft_tokens", "repeats", "prompts", "threads", "train_steps", "tree_depth",
+    "tree_top_k", "tree_total_tokens", "assistant_tokens", "max_prompts", "max_prompt_tokens", "batch_size",
+    "max_length", "grad_accum", "ttt_steps", "draft_vocab_size", "save_steps", "eval_steps", "logging_steps",
+    "lora_r", "lora_alpha", "target_num_layers",
+)  # fmt: skip
+
+
+def _check_option_values(parser: argparse.ArgumentParser, args) -> None:
+    for name in _POSITIVE_INT_OPTIONS:
+        value = getattr(args, name, None)
+        values = value if isinstance(value, list) else [value]
+        bad = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v < 1]
+        if bad:
+            parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {bad[0]}")
+
+
+def _one_line(message: str) -> str:
+    return " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    """The ``hf-specdec`` command. A user's mistake (a missing file, a bad option value, an unknown family, a drafter
+    that does not fit the target, ...) prints one line saying what to do and returns 2, without a traceback; set
+    ``HF_SPECDEC_TRACEBACK=1`` to see the traceback instead."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_option_values(parser, args)
+    command = f"hf-specdec {args.command}"
+    try:
+        return int(args.func(args) or 0)
+    except SystemExit as exit_:
+        if isinstance(exit_.code, str):  # raise SystemExit("...") inside a command: a user-facing message
+            print(f"{command}: error: {_one_line(exit_.code)}", file=sys.stderr)
+            return 2
+        raise
+    except (ValueError, OSError) as err:  # OSError: missing files, and transformers' "cannot load" errors
+        if os.environ.get("HF_SPECDEC_TRACEBACK"):
+            raise
+        message = _one_line(err)
+        if "Repo id must be" in message:  # a local path that does not exist, read as a Hub id by the Hub client
+            message = f"no such folder, and not a Hub id: check the path ({message})"
+        print(f"{command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

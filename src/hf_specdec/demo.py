@@ -182,13 +182,15 @@ def run_demo(
     from .bench.runner import drafter_method, plain_method, run_benchmark
     from .registry import get_drafter_spec
 
+    if num_draft_tokens is not None and int(num_draft_tokens) < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens} (leave it unset for the drafter's K).")
     t_start = time.time()
     target, tokenizer = load_demo_target()
     if train:
         drafter_path = train_demo_drafter(target, tokenizer, train_dir, max_steps=train_steps)
     drafter = AutoModelForDrafting.from_pretrained(drafter_path or DEMO_DRAFTER).eval()
     prompts = load_prompts("demo")[:num_prompts]
-    k = num_draft_tokens or drafter.config.num_draft_tokens
+    k = drafter.config.num_draft_tokens if num_draft_tokens is None else int(num_draft_tokens)
     label = get_drafter_spec(drafter.config.model_type).label
     method = drafter_method(drafter, name=f"{label} K={k}", num_draft_tokens=k)
     print(

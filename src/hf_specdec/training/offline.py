@@ -14,10 +14,15 @@ Layout of a dump directory::
 
 Shards are streamed to disk (a shard is never held in memory as a whole) and published atomically, so a crash
 loses at most the shard being written; ``resume=True`` continues from the completed shards.
+
+The index records a fingerprint of the target (:func:`target_fingerprint`: a hash of its config, of its tokenizer's
+vocabulary, and checksums of a few weight tensors). Training with features dumped from another target -- even one of
+the same shape -- is refused (:meth:`OfflineFeatureDataset.check_target`), since the soft labels would be wrong.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -35,13 +40,15 @@ __all__ = [
     "FORMAT_VERSION",
     "INDEX_NAME",
     "estimate_feature_bytes",
+    "target_fingerprint",
+    "record_target_fingerprint",
     "dump_features",
     "OfflineFeatureDataset",
     "collate_offline",
 ]
 
 FORMAT_NAME = "hf_specdec.offline_features"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the index holds a "target_fingerprint"
 INDEX_NAME = "index.json"
 _SHARD_PATTERN = "features-{:05d}.safetensors"
 
@@ -125,6 +132,172 @@ def _atomic_write_json(path: str, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+# Config keys that name a copy of the target or set runtime switches, not the function it computes.
+_CONFIG_KEYS_IGNORED = frozenset(
+    {
+        "name_or_path",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "architectures",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "attn_implementation",
+    }
+)
+_FULL_HASH_ELEMENTS = 1 << 22  # weight tensors up to this size are hashed whole, larger ones on sampled rows
+_SAMPLED_ROWS = 4096
+
+
+def _config_for_hash(value):
+    if isinstance(value, dict):
+        return {
+            str(k): _config_for_hash(v)
+            for k, v in value.items()
+            if not str(k).startswith("_") and str(k) not in _CONFIG_KEYS_IGNORED
+        }
+    if isinstance(value, (list, tuple)):
+        return [_config_for_hash(v) for v in value]
+    return value
+
+
+def _config_hash(config) -> str:
+    data = _config_for_hash(config.to_dict())
+    raw = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(raw.encode("utf-8")).hexdigest()
+
+
+def _tokenizer_hash(tokenizer) -> str | None:
+    if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+        return None
+    vocab = sorted((str(k), int(v)) for k, v in tokenizer.get_vocab().items())
+    raw = json.dumps(vocab, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(raw.encode("utf-8")).hexdigest()
+
+
+def _tensor_checksum(weight) -> str | None:
+    """sha256 of the tensor's bytes, taken in bfloat16 (so the same weights loaded in float32 or bfloat16 agree).
+
+    Tensors over ``_FULL_HASH_ELEMENTS`` elements are hashed on ``_SAMPLED_ROWS`` evenly spaced rows (their shape is
+    hashed too). Weights that are not materialised (meta device) or not floating point (quantised) give ``None``.
+    """
+    if not isinstance(weight, torch.Tensor) or weight.is_meta or not weight.is_floating_point():
+        return None
+    w = weight.detach()
+    if w.dim() == 0:
+        w = w.reshape(1)
+    w = w.reshape(w.shape[0], -1)
+    sampled = w.numel() > _FULL_HASH_ELEMENTS and w.shape[0] > _SAMPLED_ROWS
+    if sampled:
+        rows = torch.linspace(0, w.shape[0] - 1, _SAMPLED_ROWS, device=w.device).long()
+        w = w.index_select(0, rows)
+    data = w.to(device="cpu", dtype=torch.bfloat16).contiguous().view(torch.uint8)
+    digest = hashlib.sha256()
+    digest.update(json.dumps([list(weight.shape), sampled]).encode())
+    digest.update(data.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _layer_weight(target: nn.Module):
+    """The first matrix of the target's first decoder layer (the first 2-D parameter after the input embeddings)."""
+    embeddings = target.get_input_embeddings()
+    skip = {id(p) for p in embeddings.parameters()} if embeddings is not None else set()
+    output = target.get_output_embeddings()
+    if output is not None:
+        skip |= {id(p) for p in output.parameters()}
+    for _name, param in target.named_parameters():
+        if param.dim() == 2 and id(param) not in skip:
+            return param
+    return None
+
+
+def target_fingerprint(target: nn.Module, tokenizer=None) -> dict:
+    """A fingerprint of ``target`` that tells apart two targets of the same shape.
+
+    Holds ``config_sha256`` (sha256 of the config as sorted JSON, without paths, the dtype and runtime switches),
+    ``tokenizer_sha256`` (of the tokenizer's vocabulary; ``None`` without a tokenizer), ``weights_sha256``
+    (checksums of the input embeddings, the LM head and the first decoder-layer matrix, see :func:`_tensor_checksum`)
+    and, for messages only, ``name_or_path`` and ``dtype``.
+    """
+    head = target.get_output_embeddings()
+    embeddings = target.get_input_embeddings()
+    weights = {
+        "embed_tokens": _tensor_checksum(getattr(embeddings, "weight", None)),
+        "lm_head": _tensor_checksum(getattr(head, "weight", None)),
+        "layer": _tensor_checksum(_layer_weight(target)),
+    }
+    try:
+        dtype = _dtype_name(next(target.parameters()).dtype)
+    except StopIteration:
+        dtype = None
+    return {
+        "name_or_path": getattr(target.config, "_name_or_path", None) or None,
+        "dtype": dtype,
+        "config_sha256": _config_hash(target.config),
+        "tokenizer_sha256": _tokenizer_hash(tokenizer),
+        "weights_sha256": weights,
+    }
+
+
+def _fingerprint_mismatch(recorded: dict, current: dict) -> list[str]:
+    """What differs between two fingerprints (components missing on either side are not compared)."""
+    diffs = []
+    if recorded.get("config_sha256") != current.get("config_sha256"):
+        diffs.append("config")
+    a, b = recorded.get("tokenizer_sha256"), current.get("tokenizer_sha256")
+    if a is not None and b is not None and a != b:
+        diffs.append("tokenizer vocabulary")
+    ra, rb = recorded.get("weights_sha256") or {}, current.get("weights_sha256") or {}
+    for key in sorted(set(ra) & set(rb)):
+        if ra[key] is not None and rb[key] is not None and ra[key] != rb[key]:
+            diffs.append(f"weights ({key})")
+    return diffs
+
+
+def _describe_target(fingerprint: dict | None) -> str:
+    name = (fingerprint or {}).get("name_or_path")
+    return repr(name) if name else "an unnamed in-memory target"
+
+
+def record_target_fingerprint(path: str | os.PathLike, target: nn.Module, tokenizer=None) -> dict:
+    """Stamps the fingerprint of ``target`` into the index of an existing dump that has none (format version 1).
+
+    Only for dumps you know were made from ``target``: training then checks against it like a new dump. A dump that
+    already has a fingerprint is left alone unless it matches (then nothing changes).
+
+    Returns:
+        The fingerprint written.
+
+    Raises:
+        ValueError: if ``path`` holds no dump, or its recorded fingerprint is of another target.
+    """
+    path = os.fspath(path)
+    if os.path.basename(path) == INDEX_NAME:
+        path = os.path.dirname(path) or "."
+    index_path = os.path.join(path, INDEX_NAME)
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"No readable {INDEX_NAME} in {path!r}: {e}.") from e
+    current = target_fingerprint(target, tokenizer)
+    recorded = index.get("target_fingerprint")
+    if recorded:
+        diffs = _fingerprint_mismatch(recorded, current)
+        if diffs:
+            raise ValueError(
+                f"The dump in {path!r} already records target {_describe_target(recorded)}, which differs from "
+                f"{_describe_target(current)} in {', '.join(diffs)}; not overwriting it."
+            )
+        return recorded
+    index["target_fingerprint"] = current
+    index["format_version"] = FORMAT_VERSION
+    _atomic_write_json(index_path, index)
+    return current
 
 
 class _ShardWriter:
@@ -216,6 +389,7 @@ def dump_features(
     resume: bool = True,
     progress: bool = True,
     log: Callable[[str], Any] | None = print,
+    tokenizer=None,
 ) -> dict:
     """Runs the frozen target over ``examples`` and writes the drafter's target features to ``output_dir``.
 
@@ -238,13 +412,15 @@ def dump_features(
             ``False``, an existing dump there is replaced.
         progress: show a tqdm progress bar (in tokens).
         log: callable receiving human-readable messages (the size estimate, resume status); ``None`` silences.
+        tokenizer: the target's tokenizer, whose vocabulary hash goes into the target fingerprint (optional).
 
     Returns:
-        The index dictionary (also written to ``output_dir/index.json``).
+        The index dictionary (also written to ``output_dir/index.json``). Its ``target_fingerprint``
+        (:func:`target_fingerprint`) lets training refuse features of another target.
 
     Raises:
         ValueError: on malformed examples or invalid layer ids, or when resuming a dump made with different
-            ``layer_ids``, ``dtype`` or number of examples.
+            ``layer_ids``, ``dtype`` or number of examples, or from another target (or one without a fingerprint).
     """
     log = log or (lambda _msg: None)
     dtype = _resolve_dtype(dtype)
@@ -280,6 +456,7 @@ def dump_features(
         "target_model_type": getattr(text_config, "model_type", None) or getattr(target.config, "model_type", None),
         "num_examples": num_examples,
         "total_tokens": total_tokens,
+        "target_fingerprint": target_fingerprint(target, tokenizer),
     }
 
     os.makedirs(output_dir, exist_ok=True)
@@ -304,6 +481,21 @@ def dump_features(
                         f"Cannot resume the dump in {output_dir}: it has {key}={old.get(key)!r} but this call has "
                         f"{key}={metadata[key]!r}. Use the same parameters, another output_dir, or resume=False."
                     )
+            recorded = old.get("target_fingerprint")
+            diffs = (
+                ["fingerprint (none recorded)"]
+                if not recorded
+                else _fingerprint_mismatch(recorded, metadata["target_fingerprint"])
+            )
+            if diffs and old.get("shards"):
+                raise ValueError(
+                    f"Cannot resume the dump in {output_dir}: it was made from target {_describe_target(recorded)} "
+                    f"and this call uses {_describe_target(metadata['target_fingerprint'])}; they differ in "
+                    f"{', '.join(diffs)}. Dump the features again for this target (resume=False / --no-resume) or "
+                    "use another output_dir."
+                )
+            if metadata["target_fingerprint"]["tokenizer_sha256"] is None:
+                metadata["target_fingerprint"]["tokenizer_sha256"] = (recorded or {}).get("tokenizer_sha256")
             for shard in old.get("shards", []):
                 path = os.path.join(output_dir, shard["file"])
                 if os.path.exists(path) and _shard_readable(path):
@@ -547,6 +739,41 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
             "target_hidden_states": f.get_tensor(f"{example_id}.layers"),
             "target_last_hidden": f.get_tensor(f"{example_id}.last_hidden"),
         }
+
+    @property
+    def target_fingerprint(self) -> dict | None:
+        """The fingerprint of the target the features were dumped from (``None`` for dumps older than version 2)."""
+        return self._index.get("target_fingerprint")
+
+    def check_target(self, target: nn.Module, tokenizer=None) -> None:
+        """Checks that these features were dumped from ``target`` (see :func:`target_fingerprint`).
+
+        The config hash and the weight checksums must match; the tokenizer hash too when both sides know one.
+        A dump without a fingerprint (written before format version 2) is refused as well: nothing shows which
+        target it came from, and features of another target of the same shape silently give wrong soft labels.
+        If you know it was made from ``target``, stamp it with :func:`record_target_fingerprint`, or dump again.
+
+        Raises:
+            ValueError: naming both targets, if the fingerprints differ or the dump has none.
+        """
+        current = target_fingerprint(target, tokenizer)
+        recorded = self.target_fingerprint
+        if not recorded:
+            raise ValueError(
+                f"Offline features in {self.path!r} record no target fingerprint (dumped by an older hf_specdec, "
+                f"target {self._index.get('target_name_or_path')!r}), so they cannot be checked against the training "
+                f"target {_describe_target(current)}. Dump the features again for this target (hf-specdec "
+                "dump-features --no-resume), or, if you know they come from this very target, stamp them with "
+                "hf_specdec.training.offline.record_target_fingerprint(path, target, tokenizer)."
+            )
+        diffs = _fingerprint_mismatch(recorded, current)
+        if diffs:
+            raise ValueError(
+                f"Offline features in {self.path!r} were dumped from target {_describe_target(recorded)}, but "
+                f"training uses target {_describe_target(current)}; they differ in {', '.join(diffs)}, so the soft "
+                "labels would be wrong. Dump the features again for this target (hf-specdec dump-features "
+                "--target <this target> --no-resume), or train with the target they were dumped from."
+            )
 
     def check_compatible(self, drafter_config) -> None:
         """Checks that these features fit ``drafter_config`` (same target layer ids and hidden size).

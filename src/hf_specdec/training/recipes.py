@@ -110,6 +110,7 @@ def train_drafter(
 
         dataset = OfflineFeatureDataset(features_dir)
         dataset.check_compatible(model.config)
+        dataset.check_target(target, tokenizer)
         train, held_out = _split_indices(dataset, eval_fraction, args.seed, split_train_eval)
         pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
 
