@@ -64,7 +64,7 @@ def test_rows_are_independent_and_ledger_persists():
     # The same 0.6 mismatch again: row 0 has 0.4 left and must stop; row 1 (nothing spent) accepts it.
     second = verifier.verify(Proposal(tokens=draft), torch.cat([cheap, cheap]))
     assert second.num_accepted.tolist() == [1, 4]
-    assert second.stats["gained"].tolist() == [0, 3]
+    assert second.token_stats["gained"].sum(1).tolist() == [0, 3]
     # A new request resets the ledger.
     verifier.start(2, torch.device("cpu"), False, None)
     assert verifier.ledger.tolist() == [0.0, 0.0]
@@ -168,3 +168,38 @@ def test_zero_budget_is_strict_with_a_frequently_wrong_drafter(batch):
     loose = target.generate(ids, assistant_model=oracle, verifier="asd", asd_budget=100.0, asd_gate=100.0,
                             asd_block_cap=5, return_dict_in_generate=True, **kwargs)  # fmt: skip
     assert int(loose.verifier_stats["exceptions"].sum()) > 0  # the same drafter does trigger exceptions
+
+
+def test_statistics_count_only_committed_tokens():
+    """Re-scoring the output with one fresh target pass: the non-argmax tokens are exactly the recorded exceptions
+    and their regrets sum to the recorded regret, also when EOS or the length limit cut an accepted chunk."""
+    target = make_target("llama", seed=11)
+    ids, mask = ragged_batch(3, seed=5)
+    cont = target.generate(ids, attention_mask=mask, max_new_tokens=60, do_sample=False, eos_token_id=None)
+    cont = cont[:, ids.shape[1] :]
+    eos = int(cont[1, 17])
+    checked = 0
+    for seed in range(6):
+        drafter = make_oracle(target, cont, corruption=0.3, seed=seed, num_draft_tokens=5)
+        out = target.generate(
+            ids, attention_mask=mask, assistant_model=drafter, verifier="asd", asd_budget=50.0, asd_gate=50.0,
+            asd_block_cap=3, max_new_tokens=23, do_sample=False, eos_token_id=eos, pad_token_id=0,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+        gen = out.sequences[:, ids.shape[1] :]
+        full_mask = torch.cat([mask, torch.ones_like(gen)], dim=1)
+        pos = (full_mask.cumsum(-1) - 1).clamp_min(0)
+        with torch.no_grad():
+            logits = target(out.sequences, attention_mask=full_mask, position_ids=pos).logits[:, ids.shape[1] - 1 : -1]
+        for b in range(3):
+            row = gen[b].tolist()
+            n = row.index(eos) + 1 if eos in row else len(row)
+            z = logits[b, :n]
+            toks = gen[b, :n]
+            best = z.argmax(-1)
+            off = toks != best
+            regret = (z.gather(-1, best[:, None]) - z.gather(-1, toks[:, None])).squeeze(-1)[off].sum()
+            assert int(off.sum()) == int(out.verifier_stats["exceptions"][b]), (seed, b)
+            torch.testing.assert_close(regret, out.verifier_stats["regret"][b].float(), atol=1e-4, rtol=1e-4)
+            checked += int(off.sum())
+    assert checked > 5  # exceptions did occur

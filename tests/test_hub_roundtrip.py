@@ -1,12 +1,16 @@
 """Publishing end to end against a local Hub-compatible HTTP endpoint: the real huggingface_hub client uploads the
-drafter and its generated card, and AutoModelForDrafting.from_pretrained downloads it and generates (no network)."""
+drafter and its generated card, and AutoModelForDrafting.from_pretrained downloads it and generates (no network).
+The weights take the path real uploads take: preupload says "lfs", then LFS batch, PUT to storage, verify, and a commit
+that carries only the LFS pointer; the download follows the Hub's redirect to the storage."""
 
+import hashlib
 import json
+import os
 
 import pytest
 import torch
 from helpers import make_target, ragged_batch
-from huggingface_hub import ModelCard, constants
+from huggingface_hub import ModelCard, constants, hf_hub_download
 from local_hub import LocalHub
 from safetensors.torch import load
 
@@ -22,6 +26,9 @@ def hub(tmp_path, monkeypatch):
             constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
         )
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        # The local hub speaks the LFS batch protocol, not Xet: without this, an installed hf_xet would ask for a
+        # Xet token (an endpoint the local hub does not implement, so the test would fail below).
+        monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
         monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
         monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
         yield server
@@ -53,6 +60,16 @@ def test_push_to_a_local_hub_and_load_back(tmp_path, hub):
     files = repo["revisions"]["main"]
     assert repo["private"] is True and hub.commits[-1]["summary"] == "upload drafter"
     assert {"config.json", "model.safetensors", "README.md"} <= set(files)
+    # The weights went through LFS (preupload -> batch -> PUT to storage -> verify -> pointer in the commit); the small
+    # text files went inline as regular blobs.
+    weights = files["model.safetensors"]
+    oid = hashlib.sha256(weights).hexdigest()
+    assert hub.preuploads["model.safetensors"] == "lfs"
+    assert hub.preuploads["config.json"] == hub.preuploads["README.md"] == "regular"
+    assert hub.commits[-1]["lfs"] == ["model.safetensors"]
+    assert {"config.json", "README.md"} <= set(hub.commits[-1]["regular"])
+    assert hub.lfs_uploads == [{"oid": oid, "size": len(weights)}] and hub.lfs_verified == [oid]
+    assert hub.lfs_paths("org/eagle3-tiny") == {"model.safetensors": oid}
     assert not any("embed" in k for k in load(files["model.safetensors"]))  # the target's weights are never pushed
     card = ModelCard(files["README.md"].decode())
     assert card.data.base_model == "org/tiny-llama" and card.data.library_name == "hf_specdec"
@@ -61,6 +78,18 @@ def test_push_to_a_local_hub_and_load_back(tmp_path, hub):
     assert "token-identical" in card.text
     # Download through the real client and generate.
     loaded = AutoModelForDrafting.from_pretrained("org/eagle3-tiny").eval()
+    assert hub.lfs_downloads == [oid]  # the weights came from the LFS storage the resolve endpoint redirected to
+    local = tmp_path / "local"
+    drafter.save_pretrained(local)
+    downloaded = hf_hub_download("org/eagle3-tiny", "model.safetensors")
+    with open(downloaded, "rb") as f:
+        got = f.read()
+    assert got == weights == (local / "model.safetensors").read_bytes()  # byte-identical end to end
+    # The client cached it as an LFS file: the blob is named by its sha256 (X-Linked-Etag), a regular file by its git oid.
+    assert os.path.basename(os.path.realpath(downloaded)) == oid
+    config = os.path.realpath(hf_hub_download("org/eagle3-tiny", "config.json"))
+    with open(config, "rb") as f:
+        assert os.path.basename(config) == hashlib.sha1(b"blob %d\0" % len(data := f.read()) + data).hexdigest()
     ids, mask = ragged_batch(2)
     kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
     a = target.generate(ids, assistant_model=drafter, **kw)

@@ -100,8 +100,8 @@ def test_typical_acceptance_and_asd_on_trees():
     relaxed.start(1, torch.device("cpu"), False, None)
     res = relaxed.verify(proposal, near)
     assert res.num_accepted.item() == 2 and res.path.tolist() == [[1, 4]]
-    assert res.tokens[0].tolist() == [4, 7, 0] and res.stats["exceptions"].item() == 1
-    torch.testing.assert_close(res.stats["regret"], torch.tensor([0.05]))
+    assert res.tokens[0].tolist() == [4, 7, 0] and res.token_stats["exceptions"].sum().item() == 1
+    torch.testing.assert_close(res.token_stats["regret"].sum(1), torch.tensor([0.05]))
     torch.testing.assert_close(relaxed.ledger, torch.tensor([0.05]))
 
 

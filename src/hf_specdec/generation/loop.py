@@ -463,9 +463,16 @@ class LoopStats:
         self.timings[key] = self.timings.get(key, 0.0) + now - since
         return now
 
-    def log_verifier(self, stats: dict, finished: torch.Tensor) -> None:
-        for key, value in stats.items():
+    def log_verifier(self, result, committed: torch.Tensor, finished: torch.Tensor) -> None:
+        """Per-row verifier statistics of a pass; per-position ones count only the draft tokens committed."""
+        for key, value in result.stats.items():
             self.stats_log.setdefault(key, []).append(value.to(finished.device).masked_fill(finished, 0))
+        drafted = torch.minimum(committed, result.num_accepted.to(committed.device)).masked_fill(finished, 0)
+        for key, value in result.token_stats.items():
+            value = value.to(committed.device)
+            col = torch.arange(value.shape[1], device=value.device)[None]
+            kept = col < drafted[:, None]
+            self.stats_log.setdefault(key, []).append(torch.where(kept, value, torch.zeros_like(value)).sum(dim=1))
 
     def finish(self) -> None:
         self.timings["total_s"] = self.clock() - self.t_start
@@ -675,12 +682,12 @@ def speculative_generate(
             scores = _tree_scores(processor, raw, seq, lengths, proposal)
         result = ver.verify(proposal, scores)
         n = result.num_accepted.to(work)
-        stats.log_verifier(result.stats, out.finished)
         n_max = int(n.max())
         new_tokens = result.tokens[:, : n_max + 1].to(work)
         keep_cols, path_scores, path_raw, path_hidden = _along_path(proposal, result, n_max, scores, raw, hidden)
         finished_before = out.finished.clone()
         committed = out.commit(new_tokens, n + 1, path_scores, path_raw)  # 0 for rows already finished
+        stats.log_verifier(result, committed, finished_before)
         stats.accept_log.append(committed)
         stats.draft_log.append(drafted.masked_fill(finished_before, 0))
         start_pos = target.next_pos

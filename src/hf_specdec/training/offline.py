@@ -252,9 +252,9 @@ def _fingerprint_mismatch(recorded: dict, current: dict) -> list[str]:
     if a is not None and b is not None and a != b:
         diffs.append("tokenizer vocabulary")
     ra, rb = recorded.get("weights_sha256") or {}, current.get("weights_sha256") or {}
-    for key in sorted(set(ra) & set(rb)):
-        if ra[key] is not None and rb[key] is not None and ra[key] != rb[key]:
-            diffs.append(f"weights ({key})")
+    weights = [k for k in sorted(set(ra) & set(rb)) if ra[k] is not None and rb[k] is not None and ra[k] != rb[k]]
+    if weights:
+        diffs.append(f"weights ({', '.join(weights)})")
     return diffs
 
 
@@ -462,7 +462,7 @@ def dump_features(
     os.makedirs(output_dir, exist_ok=True)
     index_path = os.path.join(output_dir, INDEX_NAME)
     for name in os.listdir(output_dir):  # leftovers of interrupted writes
-        if name.startswith(".features-") and ".tmp-" in name:
+        if (name.startswith(".features-") or name.startswith(f"{INDEX_NAME}.tmp-")) and ".tmp-" in name:
             os.remove(os.path.join(output_dir, name))
 
     completed: list[dict] = []

@@ -22,6 +22,7 @@ import random
 import resource
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -151,24 +152,77 @@ class TrainingMetrics:
         return out
 
 
-def find_latest_checkpoint(output_dir: str) -> str | None:
-    """The newest complete checkpoint in ``output_dir`` (``None`` if there is none)."""
-    pointer = os.path.join(output_dir, LATEST_FILE)
-    if os.path.exists(pointer):
-        with open(pointer) as fh:
-            name = fh.read().strip()
-        path = os.path.join(output_dir, name)
-        if not os.path.isdir(path):
-            raise ValueError(
-                f"{pointer} names {name!r}, which does not exist. The output directory was modified by hand; "
-                "delete the pointer file to start over or restore the checkpoint."
-            )
-        return path
-    steps = []
+# The files of a complete checkpoint, besides its weights (``model.safetensors``, or ``adapter_model.safetensors`` for
+# a LoRA-adapted drafter).
+CHECKPOINT_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pt", "trainer_state.json")
+WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors")
+_ASIDE_TAG = ".old-"  # ``.checkpoint-{step}.old-{pid}``: the previous copy of a step while it is saved again
+
+
+def _checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint folder name: ``checkpoint-12`` -> 12, and a copy set aside while step 12 was being
+    saved again, ``.checkpoint-12.old-345`` -> 12; ``None`` for any other name."""
+    if name.startswith("." + CHECKPOINT_PREFIX) and _ASIDE_TAG in name:
+        name = name[1 : name.index(_ASIDE_TAG)]
+    if name.startswith(CHECKPOINT_PREFIX) and name[len(CHECKPOINT_PREFIX) :].isdigit():
+        return int(name[len(CHECKPOINT_PREFIX) :])
+    return None
+
+
+def checkpoint_missing_files(path: str) -> list[str]:
+    """The files a complete checkpoint has and ``path`` lacks (all of them when ``path`` is not a folder)."""
+    if not os.path.isdir(path):
+        return [*CHECKPOINT_FILES, WEIGHT_FILES[0]]
+    missing = [f for f in CHECKPOINT_FILES if not os.path.isfile(os.path.join(path, f))]
+    if not any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES):
+        missing.append(WEIGHT_FILES[0])
+    return missing
+
+
+def _newest_complete_checkpoint(output_dir: str, exclude: str | None = None) -> str | None:
+    """The complete checkpoint of the highest step in ``output_dir``; at equal steps a ``checkpoint-N`` folder wins
+    over a copy set aside by an interrupted re-save of step N."""
+    candidates = []
     for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
-        if name.startswith(CHECKPOINT_PREFIX) and name[len(CHECKPOINT_PREFIX) :].isdigit():
-            steps.append(int(name[len(CHECKPOINT_PREFIX) :]))
-    return os.path.join(output_dir, f"{CHECKPOINT_PREFIX}{max(steps)}") if steps else None
+        step = _checkpoint_step(name)
+        path = os.path.join(output_dir, name)
+        if step is None or name == exclude or checkpoint_missing_files(path):
+            continue
+        candidates.append((step, not name.startswith("."), name))
+    return os.path.join(output_dir, max(candidates)[2]) if candidates else None
+
+
+def find_latest_checkpoint(output_dir: str) -> str | None:
+    """The newest complete checkpoint in ``output_dir`` (``None`` if there is none).
+
+    That is the one the latest-checkpoint pointer names. When it names a folder that is missing or incomplete (a
+    crash while a step was saved again, or a folder changed by hand), the newest complete checkpoint is used
+    instead, with a warning saying which.
+    """
+    pointer = os.path.join(output_dir, LATEST_FILE)
+    if not os.path.exists(pointer):
+        return _newest_complete_checkpoint(output_dir)
+    with open(pointer) as fh:
+        name = fh.read().strip()
+    path = os.path.join(output_dir, name)
+    missing = checkpoint_missing_files(path)
+    if not missing:
+        return path
+    fallback = _newest_complete_checkpoint(output_dir, exclude=name)
+    problem = "does not exist" if not os.path.isdir(path) else f"is incomplete (missing {missing})"
+    if fallback is None:
+        if os.path.isdir(path):
+            return path  # loading it reports what is missing
+        raise ValueError(
+            f"{pointer} names {name!r}, which {problem}, and {output_dir} holds no other complete checkpoint. "
+            "Delete the pointer file to start over, or restore the checkpoint."
+        )
+    warnings.warn(
+        f"{pointer} names {name!r}, which {problem}; resuming from {os.path.basename(fallback)!r}, the newest "
+        "complete checkpoint, instead.",
+        stacklevel=2,
+    )
+    return fallback
 
 
 def _atomic_write_text(path: str, text: str) -> None:

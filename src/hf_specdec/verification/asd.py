@@ -91,6 +91,7 @@ def asd_accept(
     normalize_remaining: bool = False,
     strict_margin: bool = False,
     lengths: torch.LongTensor | None = None,
+    per_token: bool = False,
 ) -> tuple[torch.LongTensor, torch.LongTensor, dict[str, torch.Tensor]]:
     """The ASD acceptance rule along one path of draft tokens.
 
@@ -101,6 +102,7 @@ def asd_accept(
         budget_left: ``(batch,)`` ``B - s``, the regret the request may still spend.
         gate, block_cap, normalize_remaining, strict_margin: see :class:`ASDVerifier`.
         lengths: ``(batch,)`` real draft tokens per row (variable-length proposals); ``None``: all ``L``.
+        per_token: return the statistics per position (``(batch, L)``) instead of per row.
 
     Returns:
         ``(num_accepted, tokens, stats)``: accepted draft tokens per row; ``(batch, L + 1)`` committed tokens (the
@@ -110,9 +112,13 @@ def asd_accept(
     bsz, length = draft.shape
     best = scores.argmax(dim=-1)  # (batch, L + 1), first maximum on ties
     if length == 0:
-        zeros = torch.zeros(bsz, device=scores.device)
         n = torch.zeros(bsz, dtype=torch.long, device=scores.device)
-        return n, best, {"regret": zeros, "exceptions": n.clone(), "gained": n.clone()}
+        empty = {
+            "regret": torch.zeros(bsz, 0, device=scores.device),
+            "exceptions": n[:, None][:, :0],
+            "gained": n[:, None][:, :0],
+        }
+        return n, best, (empty if per_token else _row_sums(empty))
     draft = draft.to(best.device)
     z = scores[:, :length].float()
     mismatch = draft != best[:, :length]
@@ -123,7 +129,8 @@ def asd_accept(
     strict_n = accepted_prefix_length(~mismatch & valid)
     tokens = best.clone()
     tokens[:, :length] = torch.where(kept, draft, best[:, :length])
-    return n, tokens, _stats(regret, mismatch, kept, n, strict_n)
+    token_stats = _token_stats(regret, mismatch, kept, strict_n)
+    return n, tokens, (token_stats if per_token else _row_sums(token_stats))
 
 
 def _regret(z: torch.Tensor, best: torch.LongTensor, draft: torch.LongTensor, mismatch: torch.BoolTensor):
@@ -134,12 +141,19 @@ def _regret(z: torch.Tensor, best: torch.LongTensor, draft: torch.LongTensor, mi
     return torch.where(mismatch, regret, torch.zeros_like(regret))
 
 
-def _stats(regret, mismatch, kept, n, strict_n) -> dict[str, torch.Tensor]:
+def _token_stats(regret, mismatch, kept, strict_n) -> dict[str, torch.Tensor]:
+    """Per accepted position: the regret spent, whether it is an exception, whether it is a token gained over strict
+    verification. The loop sums them over the tokens it actually commits (EOS and the length limit cut chunks)."""
+    col = torch.arange(kept.shape[1], device=kept.device)[None]
     return {
-        "regret": torch.where(kept, regret, torch.zeros_like(regret)).sum(dim=1),
-        "exceptions": (mismatch & kept).long().sum(dim=1),
-        "gained": n - strict_n,
+        "regret": torch.where(kept, regret, torch.zeros_like(regret)),
+        "exceptions": (mismatch & kept).long(),
+        "gained": (kept & (col >= strict_n[:, None])).long(),
     }
+
+
+def _row_sums(token_stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: value.sum(dim=1) for key, value in token_stats.items()}
 
 
 @register_verifier
@@ -205,10 +219,10 @@ class ASDVerifier(Verifier):
             best = scores.argmax(dim=-1)
             ok = (draft.to(best.device) == best[:, :-1]) & proposal.node_valid().to(best.device)
             n = accepted_prefix_length(ok)
-            zeros = torch.zeros_like(n)
-            stats = {"regret": torch.zeros_like(self.ledger), "exceptions": zeros, "gained": zeros}
-            return VerificationResult(num_accepted=n, tokens=best, stats=stats)
-        n, tokens, stats = asd_accept(
+            zeros = torch.zeros_like(draft, dtype=torch.long, device=best.device)
+            token_stats = {"regret": zeros.float(), "exceptions": zeros, "gained": zeros}
+            return VerificationResult(num_accepted=n, tokens=best, token_stats=token_stats)
+        n, tokens, token_stats = asd_accept(
             draft,
             scores,
             self.budget - self.ledger.to(scores.device),
@@ -217,9 +231,10 @@ class ASDVerifier(Verifier):
             self.normalize_remaining,
             self.strict_margin,
             lengths=proposal.lengths,
+            per_token=True,
         )
-        self.ledger = self.ledger + stats["regret"].to(self.ledger.device)
-        return VerificationResult(num_accepted=n, tokens=tokens, stats=stats)
+        self.ledger = self.ledger + token_stats["regret"].sum(dim=1).to(self.ledger.device)
+        return VerificationResult(num_accepted=n, tokens=tokens, token_stats=token_stats)
 
     def _verify_tree(self, proposal: Proposal, scores: torch.Tensor) -> VerificationResult:
         """ASD along a tree: the rule runs on every root-to-leaf path (each path is a chain whose scores the tree pass
@@ -284,6 +299,8 @@ class ASDVerifier(Verifier):
         mm_sel = mm[rows, choice] if n_nodes else mm[:, 0]
         rg_sel = rg[rows, choice] if n_nodes else rg[:, 0]
         strict_n, _, _, _, _ = best_tree_path(proposal, ~mismatch)
-        stats = _stats(rg_sel, mm_sel, kept_sel, n, strict_n)
-        self.ledger = self.ledger + stats["regret"].to(self.ledger.device)
-        return tree_path_result(proposal, n, path, bonus, stats)
+        token_stats = _token_stats(rg_sel, mm_sel, kept_sel, strict_n)
+        self.ledger = self.ledger + token_stats["regret"].sum(dim=1).to(self.ledger.device)
+        result = tree_path_result(proposal, n, path, bonus)
+        result.token_stats = token_stats
+        return result

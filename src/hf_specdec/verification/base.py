@@ -35,13 +35,17 @@ class VerificationResult:
             ``num_accepted``; entries after that are unspecified.
         path: ``(batch, n)`` for tree proposals, the node indices of the kept path (``None`` for chains/blocks,
             where the kept nodes are ``0..num_accepted-1``).
-        stats: verifier-specific per-row statistics (e.g. ASD's regret spent).
+        stats: verifier-specific per-row statistics of the pass.
+        token_stats: verifier-specific statistics per accepted position, ``(batch, L)``, position ``j`` describing
+            ``tokens[:, j]`` (e.g. ASD's regret spent on it). The loop sums them over the tokens it actually commits,
+            so tokens cut by EOS or the length limit are never counted.
     """
 
     num_accepted: torch.LongTensor
     tokens: torch.LongTensor
     path: torch.LongTensor | None = None
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    token_stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Verifier:
