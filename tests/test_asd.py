@@ -203,3 +203,17 @@ def test_statistics_count_only_committed_tokens():
             torch.testing.assert_close(regret, out.verifier_stats["regret"][b].float(), atol=1e-4, rtol=1e-4)
             checked += int(off.sum())
     assert checked > 5  # exceptions did occur
+
+
+def test_the_rule_itself_is_strict_at_an_exhausted_budget():
+    """Without the verifier's strict shortcut: a zero-regret tie is an exception only while budget is left."""
+    from hf_specdec.verification import asd_accept
+
+    scores = torch.zeros(2, 4, 10)
+    scores[:, :, 3] = 1.0
+    scores[:, 0, 7] = 1.0  # position 0: token 7 ties the argmax 3 (argmax picks 3, the first maximum)
+    draft = torch.tensor([[7, 3, 3], [7, 3, 3]])
+    n, tokens, stats = asd_accept(draft, scores, torch.tensor([0.0, 1.0]), gate=1.0, block_cap=2)
+    assert n.tolist() == [0, 3]  # exhausted budget: strict; some budget left: the free tie is accepted
+    assert tokens[0, 0] == 3 and tokens[1, :3].tolist() == [7, 3, 3]
+    assert stats["exceptions"].tolist() == [0, 1] and stats["regret"].tolist() == [0.0, 0.0]

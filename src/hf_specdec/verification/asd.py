@@ -74,7 +74,9 @@ def _asd_rule(
     blocked = torch.cumsum((~finite & mismatch).long(), dim=1) > 0
     count = torch.cumsum(mismatch.long(), dim=1)  # N_i
     left = budget_left.to(z.device, z.dtype)[:, None]
-    exception_ok = finite & (regret / remaining <= gate) & (spent <= left) & ~blocked
+    # An exhausted budget (B - s <= 0) admits no exception at all, not even a zero-regret tie: the rule itself is
+    # strict there, without relying on the verifier's strict fast path.
+    exception_ok = finite & (regret / remaining <= gate) & (spent <= left) & (left > 0) & ~blocked
     if strict_margin:
         exception_ok &= (spent - torch.where(finite, regret, torch.zeros_like(regret))) < left
     ok = (~mismatch | exception_ok) & (count <= block_cap) & valid
