@@ -217,3 +217,45 @@ def test_the_rule_itself_is_strict_at_an_exhausted_budget():
     assert n.tolist() == [0, 3]  # exhausted budget: strict; some budget left: the free tie is accepted
     assert tokens[0, 0] == 3 and tokens[1, :3].tolist() == [7, 3, 3]
     assert stats["exceptions"].tolist() == [0, 1] and stats["regret"].tolist() == [0.0, 0.0]
+
+
+def _scores_with(best: list[int], draft_scores: dict[tuple[int, int], float], vocab: int = 10) -> torch.Tensor:
+    """(1, L + 1, vocab) scores: argmax ``best[i]`` scoring 5.0 at position i, plus the given (i, token) scores."""
+    scores = torch.zeros(1, len(best), vocab)
+    for i, t in enumerate(best):
+        scores[0, i, t] = 5.0
+    for (i, t), value in draft_scores.items():
+        scores[0, i, t] = value
+    return scores
+
+
+def test_gate_divides_by_the_remaining_length():
+    """An exception at position 0 of K = 3 with regret 1.5 passes the gate g = 0.5 only as 1.5 / 3 <= 0.5 (a
+    denominator of K - i - 1 = 2 or i + 1 = 1 would refuse it); 1.75 / 3 > 0.5 is refused."""
+    from hf_specdec.verification import asd_accept
+
+    draft = torch.tensor([[7, 3, 3]])
+    ok = _scores_with([3, 3, 3, 3], {(0, 7): 5.0 - 1.5})
+    n, _, stats = asd_accept(draft, ok, torch.tensor([10.0]), gate=0.5, block_cap=2)
+    assert n.tolist() == [3] and stats["exceptions"].tolist() == [1]
+    too_much = _scores_with([3, 3, 3, 3], {(0, 7): 5.0 - 1.75})
+    n, _, _ = asd_accept(draft, too_much, torch.tensor([10.0]), gate=0.5, block_cap=2)
+    assert n.tolist() == [0]
+
+
+def test_rejected_mismatches_cost_nothing_and_strict_margin_binds():
+    verifier = ASDVerifier(budget=5.0, gate=0.1, block_cap=2)
+    verifier.start(1, torch.device("cpu"), False, None)
+    proposal = Proposal(tokens=torch.tensor([[7, 3, 3]]))
+    result = verifier.verify(proposal, _scores_with([3, 3, 3, 3], {(0, 7): 2.0}))  # regret 3.0: gate refuses it
+    assert result.num_accepted.tolist() == [0] and verifier.ledger.tolist() == [0.0]
+
+    from hf_specdec.verification import asd_accept
+
+    # Budget 1.0: the first exception spends all of it (regret 1.0), the second is a zero-regret tie (token 8 scores
+    # 5.0 like the argmax 3). The reproduction's margin C - r < R refuses the tie; without it, the tie is accepted.
+    draft = torch.tensor([[7, 8, 3]])
+    scores = _scores_with([3, 3, 3, 3], {(0, 7): 4.0, (1, 8): 5.0})
+    loose, _, _ = asd_accept(draft, scores, torch.tensor([1.0]), gate=1.0, block_cap=2, strict_margin=False)
+    tight, _, _ = asd_accept(draft, scores, torch.tensor([1.0]), gate=1.0, block_cap=2, strict_margin=True)
+    assert loose.tolist() == [3] and tight.tolist() == [1]
