@@ -259,3 +259,23 @@ def test_rejected_mismatches_cost_nothing_and_strict_margin_binds():
     loose, _, _ = asd_accept(draft, scores, torch.tensor([1.0]), gate=1.0, block_cap=2, strict_margin=False)
     tight, _, _ = asd_accept(draft, scores, torch.tensor([1.0]), gate=1.0, block_cap=2, strict_margin=True)
     assert loose.tolist() == [3] and tight.tolist() == [1]
+
+
+def test_a_minus_inf_scored_draft_token_is_infeasible_and_the_ledger_stays_finite():
+    target = make_target("llama", seed=11)
+    ids, mask = ragged_batch(2, seed=5)
+    cont = target.generate(ids, attention_mask=mask, max_new_tokens=50, do_sample=False, eos_token_id=None)
+    cont = cont[:, ids.shape[1] :].clone()
+    banned = 4  # a token the target never needs; the drafter proposes it often
+    noisy = cont.clone()
+    noisy[:, 1::3] = banned
+    drafter = make_oracle(target, noisy, corruption=0.2, num_draft_tokens=5)
+    out = target.generate(
+        ids, attention_mask=mask, assistant_model=drafter, verifier="asd", asd_budget=100.0, asd_gate=100.0,
+        asd_block_cap=3, suppress_tokens=[banned], max_new_tokens=40, do_sample=False, eos_token_id=None,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    regret = out.verifier_stats["regret"]
+    assert bool(torch.isfinite(regret).all())
+    assert not bool((out.sequences[:, ids.shape[1] :] == banned).any())  # never committed
+    assert int(out.verifier_stats["exceptions"].sum()) > 0  # ASD kept working after the -inf tokens
