@@ -170,19 +170,24 @@ def test_zero_budget_is_strict_with_a_frequently_wrong_drafter(batch):
     assert int(loose.verifier_stats["exceptions"].sum()) > 0  # the same drafter does trigger exceptions
 
 
-def test_statistics_count_only_committed_tokens():
-    """Re-scoring the output with one fresh target pass: the non-argmax tokens are exactly the recorded exceptions
-    and their regrets sum to the recorded regret, also when EOS or the length limit cut an accepted chunk."""
-    target = make_target("llama", seed=11)
-    ids, mask = ragged_batch(3, seed=5)
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_statistics_count_only_committed_tokens(arch, batch):
+    """Re-scoring the output with one fresh target pass: the non-argmax tokens are exactly the recorded exceptions,
+    their regrets sum to the recorded regret (at most B per row), also
+    when EOS or the length limit cut an accepted chunk, with left padding, on three architectures."""
+    target = make_target(arch, seed=11)
+    ids, mask = ragged_batch(batch, seed=5)
     cont = target.generate(ids, attention_mask=mask, max_new_tokens=60, do_sample=False, eos_token_id=None)
     cont = cont[:, ids.shape[1] :]
-    eos = int(cont[1, 17])
+    # EOS: a token the last row first writes after position 10 (so that it lands inside accepted chunks).
+    late = [t for t in cont[-1, 10:40].tolist() if t not in cont[-1, :10].tolist()]
+    eos = late[0] if late else (int(cont[-1, 0]) + 1) % target.config.vocab_size
     checked = 0
     for seed in range(6):
         drafter = make_oracle(target, cont, corruption=0.3, seed=seed, num_draft_tokens=5)
         out = target.generate(
-            ids, attention_mask=mask, assistant_model=drafter, verifier="asd", asd_budget=50.0, asd_gate=50.0,
+            ids, attention_mask=mask, assistant_model=drafter, verifier="asd", asd_budget=1e4, asd_gate=1e4,
             asd_block_cap=3, max_new_tokens=23, do_sample=False, eos_token_id=eos, pad_token_id=0,
             return_dict_in_generate=True,
         )  # fmt: skip
@@ -191,7 +196,9 @@ def test_statistics_count_only_committed_tokens():
         pos = (full_mask.cumsum(-1) - 1).clamp_min(0)
         with torch.no_grad():
             logits = target(out.sequences, attention_mask=full_mask, position_ids=pos).logits[:, ids.shape[1] - 1 : -1]
-        for b in range(3):
+        stats = out.verifier_stats or {"regret": torch.zeros(batch), "exceptions": torch.zeros(batch)}  # no pass ran
+        assert bool((stats["regret"] <= 1e4).all())
+        for b in range(batch):
             row = gen[b].tolist()
             n = row.index(eos) + 1 if eos in row else len(row)
             z = logits[b, :n]
@@ -199,10 +206,10 @@ def test_statistics_count_only_committed_tokens():
             best = z.argmax(-1)
             off = toks != best
             regret = (z.gather(-1, best[:, None]) - z.gather(-1, toks[:, None])).squeeze(-1)[off].sum()
-            assert int(off.sum()) == int(out.verifier_stats["exceptions"][b]), (seed, b)
-            torch.testing.assert_close(regret, out.verifier_stats["regret"][b].float(), atol=1e-4, rtol=1e-4)
+            assert int(off.sum()) == int(stats["exceptions"][b]), (seed, b)
+            torch.testing.assert_close(regret, stats["regret"][b].float(), atol=1e-4, rtol=1e-4)
             checked += int(off.sum())
-    assert checked > 5  # exceptions did occur
+    assert checked >= 1  # exceptions did occur
 
 
 def test_the_rule_itself_is_strict_at_an_exhausted_budget():
@@ -279,3 +286,18 @@ def test_a_minus_inf_scored_draft_token_is_infeasible_and_the_ledger_stays_finit
     assert bool(torch.isfinite(regret).all())
     assert not bool((out.sequences[:, ids.shape[1] :] == banned).any())  # never committed
     assert int(out.verifier_stats["exceptions"].sum()) > 0  # ASD kept working after the -inf tokens
+
+
+def test_a_binding_budget_spends_less():
+    """B = 3 binds (spends at most 3 per row and accepts fewer exceptions) where B = 1e9 does not."""
+    target = make_target("llama", seed=11)
+    ids, mask = ragged_batch(3, seed=5)
+    cont = target.generate(ids, attention_mask=mask, max_new_tokens=60, do_sample=False, eos_token_id=None)
+    drafter = make_oracle(target, cont[:, ids.shape[1] :], corruption=0.35, seed=1, num_draft_tokens=5)
+    kwargs = dict(attention_mask=mask, assistant_model=drafter, verifier="asd", asd_gate=1e9, asd_block_cap=5,
+                  max_new_tokens=50, do_sample=False, eos_token_id=None, return_dict_in_generate=True)  # fmt: skip
+    tight = target.generate(ids, asd_budget=3.0, **kwargs)
+    loose = target.generate(ids, asd_budget=1e9, **kwargs)
+    assert bool((tight.verifier_stats["regret"] <= 3.0 + 1e-5).all())
+    assert float(loose.verifier_stats["regret"].sum()) > float(tight.verifier_stats["regret"].sum()) + 1.0
+    assert int(loose.verifier_stats["exceptions"].sum()) > int(tight.verifier_stats["exceptions"].sum())
