@@ -166,9 +166,17 @@ class ASDVerifier(Verifier):
         budget: ``B``, the total regret (target-logit units) one request may accept; ``0`` is strict greedy.
         gate: ``g``, the largest regret per remaining proposal position an exception may have; ``0`` is strict.
         block_cap: ``M``, the most exceptions accepted in one verification pass; ``0`` is strict.
-        normalize_remaining: use ``q_i = (K - i) / K`` (the DeepSeek reproduction) instead of ``K - i`` (the Qwen
-            reference) in the gate.
-        strict_margin: also require ``C_i - r_i < B - s`` (the DeepSeek reproduction's rule).
+        normalize_remaining: use ``q_i = (K - i) / K`` instead of ``K - i`` in the gate. Source: the reference
+            code's DeepSeek-V4 reproduction (``src/asd/reproduce/dspark/rule.py`` in ``Kissmetothemoon/ASD``); the
+            Qwen reference uses ``K - i``. With it the gate ``g`` is on a per-block scale rather than per token.
+        strict_margin: also require ``C_i - r_i < B - s``, the same reproduction's rule. Since ``C_i <= B - s`` is
+            required anyway, it only matters for a zero-regret tie once earlier exceptions have spent the budget
+            exactly: it refuses that tie.
+
+    Units: the regret is measured on the scores the verifier receives, i.e. the target's logits *after* the
+    ``generate`` logits processors (repetition penalty, temperature-free warpers, ...). Without processors these are
+    the raw target logits, the source's definition; with them, ``B`` and ``g`` are charged in processed units, the
+    same scores greedy decoding takes its argmax of.
 
     Defaults are the paper's Qwen reference setting (``B = 8``, ``g = 0.25``, ``M = 2``). Per-row statistics in
     ``verifier_stats``: ``regret`` spent, ``exceptions`` accepted, ``gained`` tokens over strict verification.
