@@ -77,8 +77,6 @@ def _find_revision(repo: dict, rev: str) -> str | None:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive, and chunked request bodies (the client streams LFS uploads)
-
     def log_message(self, *args):
         pass
 

@@ -3,19 +3,25 @@ drafter and its generated card, and AutoModelForDrafting.from_pretrained downloa
 The weights take the path real uploads take: preupload says "lfs", then LFS batch, PUT to storage, verify, and a commit
 that carries only the LFS pointer; the download follows the Hub's redirect to the storage."""
 
+import base64
 import hashlib
 import json
 import os
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
 from helpers import make_target, ragged_batch
-from huggingface_hub import ModelCard, constants, hf_hub_download
+from huggingface_hub import HfApi, ModelCard, constants, hf_hub_download
 from local_hub import LocalHub
 from safetensors.torch import load
 
 from hf_specdec import AutoModelForDrafting, Eagle3Config
 from hf_specdec.cards import drafter_card, push_drafter
+
+# huggingface_hub's single-part LFS upload passes the file as `data=`, which httpx2 deprecates; not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>' to upload raw bytes:DeprecationWarning")
 
 
 @pytest.fixture
@@ -89,7 +95,8 @@ def test_push_to_a_local_hub_and_load_back(tmp_path, hub):
     assert os.path.basename(os.path.realpath(downloaded)) == oid
     config = os.path.realpath(hf_hub_download("org/eagle3-tiny", "config.json"))
     with open(config, "rb") as f:
-        assert os.path.basename(config) == hashlib.sha1(b"blob %d\0" % len(data := f.read()) + data).hexdigest()
+        text = f.read()
+    assert os.path.basename(config) == hashlib.sha1(b"blob %d\0" % len(text) + text).hexdigest()
     ids, mask = ragged_batch(2)
     kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
     a = target.generate(ids, assistant_model=drafter, **kw)
@@ -110,6 +117,12 @@ def test_push_command_revisions_and_card_checks(tmp_path, hub):
                str(bench), "--base-model", "org/tiny-llama", "--endpoint", hub.endpoint, "--token", "t"])  # fmt: skip
     assert rc == 0
     assert "README.md" in hub.repos["org/d"]["revisions"]["v1"] and hub.commits[-1]["revision"] == "v1"
+    assert hub.commits[-1]["lfs"] == ["model.safetensors"] and len(hub.lfs_uploads) == 1
+    # The same weights pushed again: the LFS batch answers that the object is already stored, nothing is re-uploaded,
+    # and the commit still carries the pointer.
+    push_drafter(str(folder), "org/d", endpoint=hub.endpoint, token="t", base_model="org/tiny-llama")
+    assert hub.commits[-1]["revision"] == "main" and hub.commits[-1]["lfs"] == ["model.safetensors"]
+    assert len(hub.lfs_uploads) == 1 and hub.lfs_paths("org/d") == hub.lfs_paths("org/d", "v1")
     # A card in the folder that names another target is refused.
     (folder / "README.md").write_text("---\nbase_model: org/other-model\n---\n# card\n")
     with pytest.raises(ValueError, match="org/other-model"):
@@ -122,3 +135,39 @@ def test_push_command_revisions_and_card_checks(tmp_path, hub):
         bad = tmp_path / "bad.json"
         bad.write_text("[]")
         drafter_card(str(folder), bench=str(bad), base_model="org/tiny-llama")
+
+
+def test_local_hub_refuses_what_the_hub_refuses(hub):
+    """The fixture is only as good as its refusals: binary content committed inline, a pointer to an object that was
+    never uploaded, an upload without the batch's one-time URL or with other bytes than announced are all refused."""
+
+    def call(method, url, body=None, headers=None):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, body, headers or {}, method=method)) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def commit(item):
+        lines = [{"key": "header", "value": {"summary": "s"}}, item]
+        body = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+        return call("POST", f"{hub.endpoint}/api/models/org/r/commit/main", body)[0]
+
+    HfApi(endpoint=hub.endpoint, token="t").create_repo("org/r")
+    weights = bytes(range(256)) * 4
+    oid = hashlib.sha256(weights).hexdigest()
+    inline = {"path": "model.safetensors", "content": base64.b64encode(weights).decode(), "encoding": "base64"}
+    pointer = {"path": "model.safetensors", "algo": "sha256", "oid": oid, "size": len(weights)}
+    assert commit({"key": "file", "value": inline}) == 400  # binary files must go through LFS
+    assert commit({"key": "lfsFile", "value": pointer}) == 422  # nothing was uploaded under that oid
+    assert call("PUT", f"{hub.storage_endpoint}/upload/{oid}?token=forged", weights)[0] == 403
+    request = {"operation": "upload", "transfers": ["basic"], "hash_algo": "sha256",
+               "objects": [{"oid": oid, "size": len(weights)}]}  # fmt: skip
+    status, body = call("POST", f"{hub.endpoint}/org/r.git/info/lfs/objects/batch", json.dumps(request).encode())
+    href = json.loads(body)["objects"][0]["actions"]["upload"]["href"]
+    assert status == 200 and href.startswith(hub.storage_endpoint)
+    assert call("PUT", href, weights[::-1])[0] == 400  # not the announced content
+    assert call("PUT", href, weights)[0] == 200 and call("PUT", href, weights)[0] == 403  # the URL is one-time
+    assert hub.repos["org/r"]["revisions"]["main"] == {}  # the refused commits left nothing behind
+    assert commit({"key": "lfsFile", "value": pointer}) == 200 and hub.lfs_paths("org/r") == {"model.safetensors": oid}
+    assert call("GET", f"{hub.storage_endpoint}/lfs/{oid}", headers={"Range": "bytes=1000-"}) == (206, weights[1000:])
