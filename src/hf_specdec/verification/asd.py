@@ -167,8 +167,7 @@ class ASDVerifier(Verifier):
         gate: ``g``, the largest regret per remaining proposal position an exception may have; ``0`` is strict.
         block_cap: ``M``, the most exceptions accepted in one verification pass; ``0`` is strict.
         normalize_remaining: use ``q_i = (K - i) / K`` instead of ``K - i`` in the gate. Source: the reference
-            code's DeepSeek-V4 reproduction (``src/asd/reproduce/dspark/rule.py`` in ``Kissmetothemoon/ASD``); the
-            Qwen reference uses ``K - i``. With it the gate ``g`` is on a per-block scale rather than per token.
+            code's DeepSeek-V4 reproduction rule (``Kissmetothemoon/ASD``); the Qwen reference uses ``K - i``. With it the gate ``g`` is on a per-block scale rather than per token.
         strict_margin: also require ``C_i - r_i < B - s``, the same reproduction's rule. Since ``C_i <= B - s`` is
             required anyway, it only matters for a zero-regret tie once earlier exceptions have spent the budget
             exactly: it refuses that tie.
