@@ -120,8 +120,8 @@ def test_corrupt_or_incomplete_checkpoint_gives_a_clear_error(tmp_path, target):
     with pytest.raises(ValueError, match="is corrupt"):
         again.train(resume=True)
     os.remove(os.path.join(ckpt, "optimizer.pt"))
-    with pytest.raises(ValueError, match="incomplete"):
-        again.train(resume=True)
+    with pytest.raises(ValueError, match="incomplete"):  # named explicitly: no fallback to another checkpoint
+        again.train(resume=ckpt)
     with pytest.raises(ValueError, match="no checkpoint found"):
         DrafterTrainer(fresh(target), target, args(tmp_path / "empty"), data).train(resume=True)
 

@@ -148,14 +148,29 @@ class DrafterPreTrainedModel(PreTrainedModel):
     # loading: strict by default
     # ------------------------------------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, allow_missing_weights: bool = False, **kwargs):
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path,
+        *args,
+        allow_missing_weights: bool = False,
+        allow_unexpected_weights: bool = False,
+        **kwargs,
+    ):
         """Loads a drafter checkpoint (safetensors) like any transformers model, but strictly.
 
-        Unlike plain transformers, a checkpoint with missing or mis-shaped drafter weights is an error (a drafter
-        with randomly initialised layers silently proposes garbage); pass ``allow_missing_weights=True`` to accept
-        it anyway. A truncated or corrupt weights file raises a `ValueError` saying so.
+        Unlike plain transformers, a checkpoint whose weights do not match the drafter exactly is an error:
+
+        * missing or mis-shaped weights (a drafter with randomly initialised layers silently proposes garbage); pass
+          ``allow_missing_weights=True`` to initialise them randomly instead (then train the drafter);
+        * unexpected weights, which the drafter has no place for (usually a checkpoint in another project's layout,
+          or a config flag this version does not understand, e.g. a layer it would not build); pass
+          ``allow_unexpected_weights=True`` to drop them, with a warning listing them.
+
+        A truncated or corrupt weights file raises a `ValueError` saying so.
         """
         want_info = kwargs.pop("output_loading_info", False)
+        # Mis-shaped weights are reported (and refused below with their shapes) rather than raised by transformers.
+        kwargs.setdefault("ignore_mismatched_sizes", True)
         try:
             model, info = super().from_pretrained(
                 pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
@@ -166,13 +181,42 @@ class DrafterPreTrainedModel(PreTrainedModel):
                 "Download or save it again."
             ) from err
         missing = sorted(info.get("missing_keys", ()))
-        mismatched = sorted(str(m) for m in info.get("mismatched_keys", ()))
+        mismatched = sorted(  # transformers' entries: (name, shape in the checkpoint, shape in the model)
+            f"{m[0]} (checkpoint {tuple(m[1])}, model {tuple(m[2])})"
+            if isinstance(m, tuple) and len(m) == 3
+            else str(m)
+            for m in info.get("mismatched_keys", ())
+        )
+        unexpected = sorted(info.get("unexpected_keys", ()))
+        problems, fixes = [], []
         if (missing or mismatched) and not allow_missing_weights:
+            if missing:
+                problems.append(f"missing weights {missing}")
+            if mismatched:
+                problems.append(f"mis-shaped weights {mismatched}")
+            fixes.append(
+                "pass allow_missing_weights=True to initialise the missing weights randomly (then train the drafter)"
+            )
+        if unexpected and not allow_unexpected_weights:
+            problems.append(f"unexpected weights {unexpected}, which {cls.__name__} has no place for")
+            fixes.append(
+                "a checkpoint in another project's layout is imported with AutoModelForDrafting.from_pretrained (or "
+                "hf-specdec convert); pass allow_unexpected_weights=True to drop the unexpected weights"
+            )
+        if problems:
             raise ValueError(
-                f"The drafter checkpoint at {pretrained_model_name_or_path!s} does not match "
-                f"{cls.__name__}: missing weights {missing}, mis-shaped weights {mismatched}. It was saved for "
-                "another drafter configuration or is incomplete; pass allow_missing_weights=True to initialise the "
-                "missing weights randomly (then train the drafter)."
+                f"The drafter checkpoint at {pretrained_model_name_or_path!s} does not match {cls.__name__}: "
+                f"{'; '.join(problems)}. It was saved for another drafter configuration, in another layout, or is "
+                f"incomplete; {'; '.join(fixes)}."
+            )
+        if unexpected:
+            import warnings
+
+            warnings.warn(
+                f"{cls.__name__}: dropped the unexpected weights {unexpected} of {pretrained_model_name_or_path!s} "
+                "(allow_unexpected_weights=True). If the drafter proposes poorly, check that the checkpoint was saved "
+                "for this drafter configuration.",
+                stacklevel=2,
             )
         model.check_loaded_weights()
         return (model, info) if want_info else model

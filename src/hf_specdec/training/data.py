@@ -27,6 +27,8 @@ from torch.utils.data import Dataset, Sampler
 
 __all__ = [
     "load_records",
+    "RecordList",
+    "check_token_ids",
     "record_kind",
     "tokenize_record",
     "DrafterDataset",
@@ -82,8 +84,27 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _validate_record(record: Mapping[str, Any]) -> str:
-    """Checks a record's structure and returns its kind; raises ``ValueError`` describing the first problem."""
+def _token_id_error(token: int, position: int, vocab_size: int) -> str:
+    return (
+        f"token id {token} (position {position} of 'input_ids') is outside the target's vocabulary of {vocab_size} "
+        f"tokens (ids 0..{vocab_size - 1}). The ids were made with another tokenizer: tokenise the data with the "
+        "target's own tokenizer, or give text/prompt/messages records and let hf-specdec tokenise them"
+    )
+
+
+def _first_out_of_range(ids: Sequence[int], vocab_size: int) -> tuple[int, int] | None:
+    """``(position, id)`` of the first id outside ``[0, vocab_size)``, or ``None``."""
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):  # the common case, at C speed
+        return None
+    for j, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            return j, int(t)
+    return None
+
+
+def _validate_record(record: Mapping[str, Any], vocab_size: int | None = None) -> str:
+    """Checks a record's structure (and, given ``vocab_size``, its token ids) and returns its kind; raises
+    ``ValueError`` describing the first problem."""
     kind = record_kind(record)
     if kind == "messages":
         messages = record["messages"]
@@ -109,6 +130,9 @@ def _validate_record(record: Mapping[str, Any]) -> str:
         ids = record["input_ids"]
         if not isinstance(ids, list) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
             raise ValueError("'input_ids' must be a non-empty list of non-negative integers")
+        bad = _first_out_of_range(ids, vocab_size) if vocab_size is not None else None
+        if bad is not None:
+            raise ValueError(_token_id_error(bad[1], bad[0], vocab_size))
         mask = record.get("loss_mask")
         if mask is not None:
             if not isinstance(mask, list) or not all(_is_int(v) and v in (0, 1) for v in mask):
@@ -118,7 +142,30 @@ def _validate_record(record: Mapping[str, Any]) -> str:
     return kind
 
 
-def load_records(path: str | os.PathLike) -> list[dict]:
+class RecordList(list):
+    """The records of a JSONL file (a plain ``list`` of dicts) that remembers where each one came from.
+
+    :meth:`DrafterDataset.from_records` copies the location onto its examples, so that errors found later (e.g. a
+    token id the target does not have) name the file and line.
+
+    Attributes:
+        path: The file.
+        lines: The 1-based line number of each record.
+    """
+
+    def __init__(self, records: Iterable[dict] = (), path: str | None = None, lines: Sequence[int] = ()):
+        super().__init__(records)
+        self.path = path
+        self.lines = list(lines)
+
+    def location(self, index: int) -> str | None:
+        """``"file:line"`` of record ``index``, or ``None`` when unknown."""
+        if self.path is None or not 0 <= index < len(self.lines):
+            return None
+        return f"{self.path}:{self.lines[index]}"
+
+
+def load_records(path: str | os.PathLike, vocab_size: int | None = None) -> RecordList:
     """Reads and validates a JSONL file of training records.
 
     Each non-blank line holds one JSON object of one of these kinds (extra keys such as ``"id"`` are kept):
@@ -131,14 +178,16 @@ def load_records(path: str | os.PathLike) -> list[dict]:
 
     Args:
         path: The JSONL file.
+        vocab_size: The target's vocabulary size; given it, pre-tokenised records with an id outside
+            ``[0, vocab_size)`` are refused here (the trainer checks every example against its target anyway).
 
     Returns:
-        The records, in file order.
+        The records, in file order, as a :class:`RecordList` (a list that remembers each record's line).
 
     Raises:
         ValueError: On the first bad line; the message names the file, the 1-based line number and the problem.
     """
-    records: list[dict] = []
+    records = RecordList(path=os.fspath(path))
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -148,10 +197,11 @@ def load_records(path: str | os.PathLike) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{os.fspath(path)}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
             try:
-                _validate_record(record)
+                _validate_record(record, vocab_size)
             except ValueError as e:
                 raise ValueError(f"{os.fspath(path)}:{lineno}: {e}") from None
             records.append(record)
+            records.lines.append(lineno)
     return records
 
 
@@ -464,18 +514,23 @@ class DrafterDataset(Dataset):
                 to keep prompt-only records.
 
         Returns:
-            The dataset; examples keep their record's ``id`` when it has one.
+            The dataset; examples keep their record's ``id`` when it has one, and their ``source`` (``"file:line"``)
+            when the records came from :func:`load_records`.
         """
         if isinstance(records, (str, os.PathLike)):
             records = load_records(records)
+        locate = records.location if isinstance(records, RecordList) else None
         examples, dropped = [], 0
-        for record in records:
+        for i, record in enumerate(records):
             ex = tokenize_record(record, tokenizer, max_length=max_length)
             if not ex["input_ids"] or sum(ex["loss_mask"]) < min_loss_tokens:
                 dropped += 1
                 continue
             if "id" in record:
                 ex["id"] = record["id"]
+            source = locate(i) if locate is not None else None
+            if source is not None:
+                ex["source"] = source
             examples.append(ex)
         return cls(examples, num_dropped=dropped)
 
@@ -509,6 +564,37 @@ class DrafterDataset(Dataset):
     def num_loss_tokens(self) -> int:
         """Total number of tokens carrying loss."""
         return sum(sum(ex["loss_mask"]) for ex in self.examples)
+
+
+def check_token_ids(dataset: Any, vocab_size: int, split: str = "training") -> list[int]:
+    """Checks that every example's ``input_ids`` lie in ``[0, vocab_size)`` and returns the examples' lengths.
+
+    An id the target does not have would otherwise fail deep inside the target (an index error in its embedding),
+    or be miscounted. The error names the example's file and 1-based line when it came from :func:`load_records`
+    (its ``source``), else its position in ``dataset``.
+
+    Args:
+        dataset: A :class:`DrafterDataset`, or any dataset whose items have ``input_ids``.
+        vocab_size: The target's vocabulary size.
+        split: What the data is, for the message (``"training"``, ``"held-out"``).
+
+    Returns:
+        ``len(input_ids)`` of each example, in order.
+
+    Raises:
+        ValueError: On the first example with an id outside the vocabulary.
+    """
+    examples = getattr(dataset, "examples", None)
+    lengths = []
+    for i in range(len(dataset)):
+        ids = examples[i]["input_ids"] if examples is not None else _as_list(dataset[i]["input_ids"])
+        lengths.append(len(ids))
+        bad = _first_out_of_range(ids, vocab_size)
+        if bad is not None:
+            source = examples[i].get("source") if examples is not None else None
+            where = source or f"{split} example {i}"
+            raise ValueError(f"{where}: {_token_id_error(bad[1], bad[0], vocab_size)}.")
+    return lengths
 
 
 def pack_examples(examples: Iterable[Mapping[str, Any]], max_length: int) -> list[dict]:

@@ -201,7 +201,12 @@ def find_latest_checkpoint(output_dir: str) -> str | None:
     """
     pointer = os.path.join(output_dir, LATEST_FILE)
     if not os.path.exists(pointer):
-        return _newest_complete_checkpoint(output_dir)
+        found = _newest_complete_checkpoint(output_dir)
+        if found is None and os.path.isdir(output_dir):
+            # Only incomplete ones: the newest, so that loading it says what is missing.
+            names = [n for n in os.listdir(output_dir) if not n.startswith(".") and _checkpoint_step(n) is not None]
+            found = os.path.join(output_dir, max(names, key=_checkpoint_step)) if names else None
+        return found
     with open(pointer) as fh:
         name = fh.read().strip()
     path = os.path.join(output_dir, name)
@@ -258,6 +263,49 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class _UnsafeCheckpointError(Exception):
+    pass
+
+
+def _rng_safe_globals() -> list:
+    """The only non-tensor types a checkpoint's state files hold: numpy's RNG state (an ``ndarray`` of ``uint32``)."""
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    core = getattr(np, "_core", None) or np.core  # numpy 2 moved numpy.core to numpy._core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def _load_plain_state(checkpoint: str, name: str):
+    """Loads ``optimizer.pt`` / ``scheduler.pt`` / ``rng_state.pt`` without unpickling arbitrary objects.
+
+    ``weights_only=True`` accepts tensors and plain Python data only (plus numpy's RNG state, allow-listed), so a
+    checkpoint folder from elsewhere cannot run code on ``--resume``: anything else is refused unread.
+    """
+    import pickle
+
+    path = os.path.join(checkpoint, name)
+    try:
+        with torch.serialization.safe_globals(_rng_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        # torch's message suggests weights_only=False: never pass that advice on. Keep only what was refused.
+        text = str(err)
+        if "Unsupported global" in text:
+            what = text.split("Unsupported global:", 1)[1].split(" was not an allowed global")[0]
+            what = what.replace("GLOBAL", "").strip()
+            raise _UnsafeCheckpointError(
+                f"Refusing to resume from {checkpoint}: {name} holds a Python object ({what}) besides tensors and "
+                "plain data, and loading it could run arbitrary code. hf-specdec never writes such objects, so the "
+                "file was not written by hf-specdec or was tampered with; it was not loaded. Do not resume from this "
+                f"checkpoint: delete it (and the '{LATEST_FILE}' pointer) to resume from an earlier one, or start a "
+                "new run."
+            ) from None
+        detail = text.split("WeightsUnpickler error:", 1)[-1].split("Check the documentation")[0].strip()
+        raise pickle.UnpicklingError(f"{name} is not a readable state file: {detail or 'unreadable pickle'}") from None
+
+
 class _LossModule(nn.Module):
     """Routes features and loss through ``forward`` so DDP/FSDP wrappers see the call (gradient synchronisation).
 
@@ -272,6 +320,21 @@ class _LossModule(nn.Module):
 
     def forward(self, batch, features_fn, target_head, loss_kwargs):
         return self.drafter.compute_loss(batch, features_fn(batch), target_head, **loss_kwargs)
+
+
+def _target_vocab_size(target, drafter) -> int:
+    """The number of token ids ``target`` embeds (and the drafter counts): the smaller of its embedding rows and the
+    drafter's ``target_vocab_size``."""
+    sizes = []
+    embeddings = target.get_input_embeddings() if hasattr(target, "get_input_embeddings") else None
+    if getattr(embeddings, "num_embeddings", None) is not None:
+        sizes.append(int(embeddings.num_embeddings))
+    declared = getattr(getattr(drafter, "config", None), "target_vocab_size", None)
+    if declared is not None:
+        sizes.append(int(declared))
+    if not sizes:
+        raise ValueError(f"Cannot tell the vocabulary size of {type(target).__name__}.")
+    return min(sizes)
 
 
 def _loggable(values: dict) -> dict:
@@ -312,7 +375,7 @@ class DrafterTrainer:
     ):
         from accelerate import Accelerator
 
-        from .data import DataCollator, ResumableBatchSampler
+        from .data import DataCollator, ResumableBatchSampler, check_token_ids
 
         self.args = args
         self.drafter = drafter
@@ -366,7 +429,11 @@ class DrafterTrainer:
         drafter.to(self.accelerator.device)
         self.target_head = target.get_output_embeddings()
 
-        lengths = [len(train_dataset[i]["input_ids"]) for i in range(len(train_dataset))]
+        # An id the target does not have fails deep inside it (or is miscounted): refuse it here, naming its line.
+        vocab = _target_vocab_size(base_target, drafter)
+        lengths = check_token_ids(train_dataset, vocab, "training")
+        if eval_dataset is not None:
+            check_token_ids(eval_dataset, vocab, "held-out")
         self.sampler = ResumableBatchSampler(
             lengths, args.batch_size, shuffle=True, seed=args.seed, group_by_length=args.group_by_length
         )
@@ -546,7 +613,7 @@ class DrafterTrainer:
             item = self.train_dataset[i]
             ids = torch.as_tensor(item["input_ids"])
             mask = torch.as_tensor(item["loss_mask"]).bool()
-            counts += torch.bincount(ids[mask].clamp(0, vocab - 1), minlength=vocab)
+            counts += torch.bincount(ids[mask], minlength=vocab)  # ids are checked against the vocabulary in __init__
         return counts
 
     # ------------------------------------------------------------------------------------------------ checkpoints
@@ -589,10 +656,20 @@ class DrafterTrainer:
             }
             with open(os.path.join(tmp, "trainer_state.json"), "w") as fh:
                 json.dump(state, fh, indent=1)
+            # Saving a step again: the old folder is renamed aside first and deleted only once the new one is in
+            # place, so a complete copy of the step exists at every moment (resume falls back to it after a crash).
+            aside = None
             if os.path.exists(final):
-                shutil.rmtree(final)
+                aside = os.path.join(self.args.output_dir, f".{name}{_ASIDE_TAG}{os.getpid()}")
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(final, aside)
             os.replace(tmp, final)
             _atomic_write_text(os.path.join(self.args.output_dir, LATEST_FILE), name)
+            if aside is not None:
+                shutil.rmtree(aside, ignore_errors=True)
+            for stale in os.listdir(self.args.output_dir):  # copies left aside by earlier, interrupted re-saves
+                if stale.startswith("." + CHECKPOINT_PREFIX) and _ASIDE_TAG in stale:
+                    shutil.rmtree(os.path.join(self.args.output_dir, stale), ignore_errors=True)
             self._rotate_checkpoints()
         acc.wait_for_everyone()
         return final
@@ -615,7 +692,7 @@ class DrafterTrainer:
         from safetensors.torch import load_file
 
         weights_file = "adapter_model.safetensors" if self.is_peft else "model.safetensors"
-        required = [weights_file, "optimizer.pt", "scheduler.pt", "rng_state.pt", "trainer_state.json"]
+        required = [weights_file, *CHECKPOINT_FILES]
         adapter_file = os.path.join(ADAPTER_DIR, "adapter_model.safetensors")
         if self.trains_adapter:
             required.append(adapter_file)
@@ -631,9 +708,11 @@ class DrafterTrainer:
                 if self.trains_adapter
                 else None
             )
-            opt_state = torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=False)
-            sched_state = torch.load(os.path.join(path, "scheduler.pt"), map_location="cpu", weights_only=False)
-            rng = torch.load(os.path.join(path, "rng_state.pt"), map_location="cpu", weights_only=False)
+            opt_state = _load_plain_state(path, "optimizer.pt")
+            sched_state = _load_plain_state(path, "scheduler.pt")
+            rng = _load_plain_state(path, "rng_state.pt")
+        except _UnsafeCheckpointError as err:
+            raise ValueError(str(err)) from None
         except Exception as err:  # noqa: BLE001 - any parse failure means the same thing to the user
             raise ValueError(
                 f"Checkpoint {path} is corrupt ({type(err).__name__}: {err}). Delete it (and the "

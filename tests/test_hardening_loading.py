@@ -1,0 +1,75 @@
+"""Strict drafter loading: unexpected weights are refused (with an explicit opt-out), mis-shaped ones too."""
+
+import warnings
+
+import pytest
+import torch
+from helpers import make_target
+from safetensors.torch import load_file, save_file
+
+from hf_specdec import AutoModelForDrafting, Eagle3Config, Eagle3ForDrafting
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    target = make_target("llama")
+    torch.manual_seed(0)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config))
+    path = tmp_path_factory.mktemp("drafter")
+    drafter.save_pretrained(path)
+    return drafter, path
+
+
+def rewrite(src, dst, edit):
+    import shutil
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    edit(weights)
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_unexpected_weights_are_refused_then_loaded_with_the_opt_out_and_a_warning(saved, tmp_path):
+    drafter, path = saved
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a matching checkpoint loads strictly, without a warning
+        AutoModelForDrafting.from_pretrained(path)
+    foreign = rewrite(
+        path,
+        tmp_path / "foreign",
+        lambda w: w.update({"midlayer.extra_norm.weight": torch.ones(4), "lm_head_2.weight": torch.zeros(2, 2)}),
+    )
+    with pytest.raises(ValueError) as err:
+        AutoModelForDrafting.from_pretrained(foreign)
+    message = str(err.value)
+    assert "unexpected weights ['lm_head_2.weight', 'midlayer.extra_norm.weight']" in message, message
+    assert "allow_unexpected_weights=True" in message and "missing weights" not in message, message
+    # allow_missing_weights does not cover unexpected weights.
+    with pytest.raises(ValueError, match="unexpected weights"):
+        AutoModelForDrafting.from_pretrained(foreign, allow_missing_weights=True)
+
+    with pytest.warns(UserWarning, match=r"dropped the unexpected weights \['lm_head_2.weight', 'midlayer.extra"):
+        loaded = AutoModelForDrafting.from_pretrained(foreign, allow_unexpected_weights=True)
+    assert isinstance(loaded, Eagle3ForDrafting)
+    expected = drafter.state_dict()
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+
+
+def test_mis_shaped_weights_are_refused_with_their_shapes(saved, tmp_path):
+    drafter, path = saved
+    shape = tuple(drafter.fc.weight.shape)
+    bad = rewrite(path, tmp_path / "misshaped", lambda w: w.update({"fc.weight": torch.zeros(3, 3)}))
+    with pytest.raises(ValueError) as err:
+        AutoModelForDrafting.from_pretrained(bad)
+    message = str(err.value)
+    assert f"mis-shaped weights ['fc.weight (checkpoint (3, 3), model {shape})']" in message, message
+    assert "allow_missing_weights=True" in message, message
+    # The opt-out initialises the mis-shaped weight afresh, at the drafter's shape; the rest loads as saved.
+    loaded = AutoModelForDrafting.from_pretrained(bad, allow_missing_weights=True)
+    assert tuple(loaded.fc.weight.shape) == shape
+    expected = drafter.state_dict()
+    for k, v in loaded.state_dict().items():
+        if k != "fc.weight":
+            assert torch.equal(v, expected[k]), k

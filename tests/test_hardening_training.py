@@ -1,0 +1,173 @@
+"""Hardening of training inputs and checkpoints: pickle-free resume, token ids in range, atomic re-save, fallback."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from helpers import VOCAB, make_target
+
+from hf_specdec import AutoModelForDrafting, Eagle3Config
+from hf_specdec.training.data import DrafterDataset, load_records
+from hf_specdec.training.recipes import build_datasets
+from hf_specdec.training.trainer import DrafterTrainer, DrafterTrainingArguments, find_latest_checkpoint
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("llama", seed=2)
+
+
+def data(n=8, length=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(6, VOCAB, (n, length), generator=g)
+    return DrafterDataset([{"input_ids": row.tolist(), "loss_mask": [0] * 4 + [1] * (length - 4)} for row in ids])
+
+
+def fresh(target):
+    torch.manual_seed(0)
+    return AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=2))
+
+
+def args(out, **kw):
+    base = dict(
+        output_dir=str(out),
+        max_steps=4,
+        batch_size=4,
+        learning_rate=3e-3,
+        warmup_steps=1,
+        save_steps=2,
+        eval_steps=100,
+        progress=False,
+        report_to="none",
+        seed=0,
+    )
+    base.update(kw)
+    return DrafterTrainingArguments(**base)
+
+
+# ---------------------------------------------------------------------------------------------- pickle-free resume
+class Payload:
+    """Unpickling this runs code: it writes a marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('payload ran')",)
+
+
+@pytest.mark.parametrize("name", ["rng_state.pt", "optimizer.pt", "scheduler.pt"])
+def test_resume_refuses_a_checkpoint_carrying_a_pickle_payload(tmp_path, target, name):
+    train = data()
+    DrafterTrainer(fresh(target), target, args(tmp_path / "out", max_steps=4, stop_after_steps=2), train).train()
+    ckpt = find_latest_checkpoint(str(tmp_path / "out"))
+    assert ckpt.endswith("checkpoint-2")
+    marker = tmp_path / "marker"
+    state = torch.load(os.path.join(ckpt, name), weights_only=False)  # the genuine state, with a payload added
+    state["extra"] = Payload(marker)
+    torch.save(state, os.path.join(ckpt, name))
+
+    resumed = DrafterTrainer(fresh(target), target, args(tmp_path / "out", max_steps=4), train)
+    with pytest.raises(ValueError, match=rf"Refusing to resume from .*checkpoint-2: {name} holds a Python object"):
+        resumed.train(resume=True)
+    assert not marker.exists(), "the pickle payload ran"
+    assert resumed.step == 0
+
+
+# ---------------------------------------------------------------------------------------------- token ids in range
+def test_a_token_id_outside_the_targets_vocabulary_is_refused_naming_file_and_line(tmp_path, target):
+    path = tmp_path / "train.jsonl"
+    good = [{"input_ids": [7, 8, 9, 10, 11, 12], "loss_mask": [0, 1, 1, 1, 1, 1]} for _ in range(5)]
+    bad = {"input_ids": [7, 8, VOCAB + 3, 10], "loss_mask": [0, 1, 1, 1]}
+    lines = [json.dumps(good[0]), "", json.dumps(good[1]), json.dumps(bad)] + [json.dumps(g) for g in good[2:]]
+    path.write_text("\n".join(lines) + "\n")  # the bad record is on line 4 (a blank line counts)
+
+    train, held_out, _ = build_datasets(str(path), None, eval_fraction=0.2)
+    with pytest.raises(ValueError) as err:
+        DrafterTrainer(fresh(target), target, args(tmp_path / "out"), train, held_out)
+    message = str(err.value)
+    assert f"{path}:4:" in message and f"token id {VOCAB + 3}" in message, message
+    assert f"vocabulary of {VOCAB} tokens" in message and "target's own tokenizer" in message, message
+
+    # The same check at load time, for callers that know the vocabulary.
+    with pytest.raises(ValueError, match=rf"train.jsonl:4: token id {VOCAB + 3} \(position 2"):
+        load_records(path, vocab_size=VOCAB)
+    assert len(load_records(path, vocab_size=VOCAB + 4)) == 6
+
+    # In-memory examples (no file): the example is named by its position; the largest valid id is accepted.
+    examples = [dict(good[0]) for _ in range(4)]
+    examples[2] = {"input_ids": [7, VOCAB, 9], "loss_mask": [0, 1, 1]}
+    with pytest.raises(ValueError, match=rf"training example 2: token id {VOCAB} "):
+        DrafterTrainer(fresh(target), target, args(tmp_path / "out"), DrafterDataset(examples))
+    examples[2] = {"input_ids": [7, VOCAB - 1, 9], "loss_mask": [0, 1, 1]}
+    DrafterTrainer(fresh(target), target, args(tmp_path / "out"), DrafterDataset(examples))
+
+
+# ---------------------------------------------------------------------------------------------- atomic re-save
+def test_a_crash_while_saving_a_step_again_keeps_a_complete_copy_of_it(tmp_path, target, monkeypatch):
+    train = data()
+    out = tmp_path / "out"
+    trainer = DrafterTrainer(fresh(target), target, args(out), train)
+    trainer.train()
+    assert find_latest_checkpoint(str(out)).endswith("checkpoint-4")
+    weights = {k: v.clone() for k, v in trainer.unwrapped_drafter.state_dict().items()}
+
+    real_replace = os.replace
+
+    def crash_on_swap(src, dst, *a, **k):  # the process dies once the new folder is about to replace the old one
+        if ".checkpoint-4.tmp-" in str(src):
+            raise KeyboardInterrupt("killed while saving checkpoint-4 again")
+        return real_replace(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "replace", crash_on_swap)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.save_checkpoint()  # saving step 4 again
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert (out / "latest_checkpoint").read_text() == "checkpoint-4"
+
+    # The previous copy of step 4 survived the crash: resume uses it (and says so), and ends where the run ended.
+    with pytest.warns(
+        UserWarning, match=r"names 'checkpoint-4', which does not exist; resuming from '\.checkpoint-4\.old"
+    ):
+        latest = find_latest_checkpoint(str(out))
+    resumed = DrafterTrainer(fresh(target), target, args(out), train)
+    with pytest.warns(UserWarning, match="resuming from"):
+        resumed.train(resume=True)
+    assert resumed.step == 4 and os.path.basename(latest).startswith(".checkpoint-4.old-")
+    for k, v in resumed.unwrapped_drafter.state_dict().items():
+        assert torch.equal(v, weights[k]), k
+    # The final save of step 4 put a complete checkpoint-4 back and removed the aside copy.
+    assert find_latest_checkpoint(str(out)).endswith("checkpoint-4")
+    assert not [n for n in os.listdir(out) if ".old-" in n]
+
+
+def test_resume_falls_back_to_the_newest_complete_checkpoint(tmp_path, target):
+    train = data()
+    out = tmp_path / "out"
+    DrafterTrainer(fresh(target), target, args(out, max_steps=6, save_total_limit=3), train).train()
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == [
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-6",
+    ]
+    os.remove(out / "checkpoint-6" / "optimizer.pt")  # the pointer names an incomplete checkpoint
+    steps = []
+    resumed = DrafterTrainer(
+        fresh(target), target, args(out, max_steps=6, save_total_limit=3), train, on_step=lambda s, r: steps.append(s)
+    )
+    with pytest.warns(
+        UserWarning,
+        match=r"'checkpoint-6', which is incomplete \(missing \['optimizer.pt'\]\); resuming from 'checkpoint-4'",
+    ):
+        resumed.train(resume=True)
+    assert steps == [5, 6]
+
+    shutil.rmtree(out / "checkpoint-6")  # the pointer names a missing checkpoint
+    with pytest.warns(UserWarning, match=r"'checkpoint-6', which does not exist; resuming from 'checkpoint-4'"):
+        assert find_latest_checkpoint(str(out)).endswith("checkpoint-4")
+    shutil.rmtree(out / "checkpoint-4")
+    shutil.rmtree(out / "checkpoint-2")
+    with pytest.raises(ValueError, match="holds no other complete checkpoint"):
+        find_latest_checkpoint(str(out))
