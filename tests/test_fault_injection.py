@@ -1,17 +1,19 @@
 """Fault injection for the long jobs: `hf-specdec regenerate`, `dump-features` and `train` are each killed with
-SIGKILL at random points (delays from a seeded RNG, counted from when the job starts its work), several times, and
-resumed. What they leave at the end equals what an uninterrupted run writes: the same JSONL bytes, the same feature
+SIGKILL at random points, three times each, and resumed. A kill point is drawn from a seeded RNG: after a random
+amount of work made durable (JSONL lines, feature shards, checkpointed steps), plus a random delay into what follows
+(so kills also land mid-line, mid-shard, mid-checkpoint; one landing after the job finished is fine too). The job is
+then resumed. What they leave at the end equals what an uninterrupted run writes: the same JSONL bytes, the same feature
 shards (every tensor), the same drafter weights, bit for bit.
 
-The uninterrupted reference runs are in-process; the killed runs are subprocesses, all with one thread."""
+The uninterrupted reference runs are in-process; the killed runs are separate processes running the CLI's `main`,
+forked from a forkserver that has imported hf_specdec, torch and transformers once (a fresh `python -m hf_specdec.cli`
+spends ~4 s importing, which would take most kills and most of the time budget). All of them use one thread."""
 
 import json
+import multiprocessing
 import os
 import random
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
@@ -27,8 +29,6 @@ from hf_specdec.training.trainer import find_latest_checkpoint
 
 KILLS = 3
 SEED = 20261130
-# The text each job writes to stderr when its work starts (its progress bar): the kill delay counts from there.
-MARKERS = {"regenerate": "regenerate", "dump-features": "target features", "train": "training drafter"}
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,8 @@ def job_args(root, job, out):
                 "--max-new-tokens", "24", "--batch-size", "2", "--temperature", "0.8", "--seed", "3"]  # fmt: skip
     if job == "dump-features":
         return ["dump-features", "--target", t, "--data", str(root / "data.jsonl"), "--output-dir", str(out),
-                "--feature-dtype", "float32", "--max-length", "64", "--batch-size", "2"]  # fmt: skip
+                "--feature-dtype", "float32", "--max-length", "64", "--batch-size", "1",
+                "--shard-tokens", "150"]  # fmt: skip
     return ["train", "--target", t, "--data", str(root / "data.jsonl"), "--output-dir", str(out),
             "--max-steps", "16", "--batch-size", "2", "--eval-fraction", "0.125", "--save-steps", "2",
             "--eval-steps", "4", "--report-to", "none", "--lr", "3e-3", "--num-draft-tokens", "3",
@@ -74,34 +75,63 @@ def resume_args(job, out):
     return []
 
 
-def run_killed(root, job, out, rng, work_s, log):
-    """Runs `job` in a subprocess; kills it `delay` seconds after its progress bar appears. Returns the exit code."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}  # fmt: skip
-    stderr_path = out.parent / f"{job}.stderr"
-    argv = [sys.executable, "-m", "hf_specdec.cli", *job_args(root, job, out), *resume_args(job, out)]
-    delay = rng.uniform(0.0, 1.2 * work_s)
-    with open(stderr_path, "w") as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env)
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        if MARKERS[job] in stderr_path.read_text(errors="replace"):
-            break
-        time.sleep(0.01)
+PRELOAD = ["torch", "transformers", "accelerate", "safetensors", "hf_specdec.cli", "hf_specdec.training.recipes",
+           "hf_specdec.training.trainer", "hf_specdec.training.offline", "hf_specdec.training.regenerate",
+           "transformers.models.llama.modeling_llama"]  # fmt: skip
+
+
+def _cli_child(argv, log_path):
+    """A job process: the CLI's `main`, with stdout/stderr into ``log_path``, one thread (as the reference)."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    torch.set_num_threads(1)
+    os._exit(int(cli(argv) or 0))
+
+
+def start(ctx, root, job, out):
+    log_path = out.parent / f"{job}.log"
+    proc = ctx.Process(target=_cli_child, args=([*job_args(root, job, out), *resume_args(job, out)], str(log_path)))
+    proc.start()
+    return proc, log_path
+
+
+def run_killed(ctx, root, job, out, target_units, delay, log):
+    """Runs `job` in its own process; once its output holds ``target_units`` units of work (JSONL lines, shards,
+    training steps checkpointed), waits ``delay`` seconds and SIGKILLs it. Returns the exit code."""
+    proc, log_path = start(ctx, root, job, out)
+    deadline = time.monotonic() + 60  # a job that hangs is killed here and shows up as a mismatch or failure below
+    while proc.exitcode is None and time.monotonic() < deadline and units(job, out) < target_units:
+        time.sleep(0.002)
     time.sleep(delay)
-    if proc.poll() is None:
+    if proc.exitcode is None:
         os.kill(proc.pid, signal.SIGKILL)
-    rc = proc.wait(timeout=120)
-    log.append((job, round(delay, 3), rc))
-    assert rc in (0, -signal.SIGKILL), f"{job} failed (rc {rc}):\n{stderr_path.read_text()[-3000:]}"
-    return rc
+    proc.join(30)
+    log.append((target_units, round(delay, 3), proc.exitcode, units(job, out)))
+    assert proc.exitcode in (0, -signal.SIGKILL), f"{job} failed ({proc.exitcode}):\n{log_path.read_text()[-3000:]}"
+    return proc.exitcode
 
 
-def finish(root, job, out):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    argv = [sys.executable, "-m", "hf_specdec.cli", *job_args(root, job, out), *resume_args(job, out)]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+def units(job, out) -> int:
+    """Work a job has made durable: JSONL lines, completed shards, or the step of its newest checkpoint."""
+    if job == "regenerate":
+        return out.read_bytes().count(b"\n") if out.exists() else 0
+    if job == "dump-features":
+        try:
+            return len(json.loads((out / INDEX_NAME).read_text())["shards"])
+        except (OSError, ValueError):
+            return 0
+    names = os.listdir(out) if out.is_dir() else []
+    return max([int(n.split("-")[1]) for n in names if n.startswith("checkpoint-") and n[11:].isdigit()], default=0)
+
+
+def finish(ctx, root, job, out):
+    proc, log_path = start(ctx, root, job, out)
+    proc.join(120)
+    if proc.exitcode is None:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(30)
+    assert proc.exitcode == 0, f"{job} failed ({proc.exitcode}):\n{log_path.read_text()[-3000:]}"
 
 
 def shard_tensors(folder):
@@ -150,31 +180,25 @@ def test_long_jobs_killed_at_random_points_and_resumed_give_the_uninterrupted_ou
     finally:
         torch.set_num_threads(threads)
 
-    # The three jobs are killed and resumed concurrently, each in its own folder, with its own seeded RNG.
-    log, errors = [], []
-
-    def chain(job):
-        try:
-            rng = random.Random(f"{SEED}-{job}")
-            out = tmp_path / "faulted" / job / ("out.jsonl" if job == "regenerate" else "out")
-            out.parent.mkdir(parents=True)
-            for _ in range(KILLS):
-                run_killed(root, job, out, rng, work_s[job], log)
-            finish(root, job, out)
-            assert_same_output(job, refs[job], out)
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append((job, e))
-
-    workers = [threading.Thread(target=chain, args=(job,)) for job in jobs]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    print("kills (job, delay after start of work in s, exit code):", log)
-    if errors:
-        job, error = errors[0]
-        raise AssertionError(f"{job}: {error!r}") from error
-    assert sum(rc == -signal.SIGKILL for _, _, rc in log) >= 1  # at least some kills landed mid-job
+    # Each job is killed and resumed in its own folder, with its own seeded RNG, one job at a time (so the work runs
+    # as fast as in the reference run, and the kill delays spread over all of it).
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    log = []
+    for job in jobs:
+        rng = random.Random(f"{SEED}-{job}")
+        out = tmp_path / "faulted" / job / ("out.jsonl" if job == "regenerate" else "out")
+        out.parent.mkdir(parents=True)
+        # Kill points: after a random amount of durable work (a sorted random sample of the job's units, the
+        # first possibly 0: before any), plus a random delay (up to a fifth of the job's time) into what follows.
+        total = units(job, refs[job])
+        targets = sorted(rng.sample(range(0, total - 1), KILLS))
+        for target in targets:
+            run_killed(ctx, root, job, out, target, rng.uniform(0.0, work_s[job] / 5), log)
+        finish(ctx, root, job, out)
+        print(f"{job}: kills (after units, delay s, exit code, units left):", log[-KILLS:])
+        assert_same_output(job, refs[job], out)
+    assert sum(entry[2] == -signal.SIGKILL for entry in log) >= 1  # at least some kills landed mid-job
 
 
 def test_dump_features_resume_removes_leftovers_of_a_killed_write(workspace, tmp_path):

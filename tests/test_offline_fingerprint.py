@@ -41,9 +41,10 @@ def workspace(tmp_path_factory):
 
 
 def train(root, target, out, features="features_a"):
-    return cli(["train", "--target", str(root / target), "--features", str(root / features), "--output-dir",
-                str(out), "--max-steps", "2", "--batch-size", "4", "--eval-fraction", "0.25", "--save-steps", "2",
-                "--eval-steps", "2", "--report-to", "none", "--num-draft-tokens", "2", "--max-length", "64"])  # fmt: skip
+    return cli(["train", "--target", str(root / target), "--features", str(root / features),
+                "--output-dir", str(out), "--max-steps", "2", "--batch-size", "4", "--eval-fraction", "0.25",
+                "--save-steps", "2", "--eval-steps", "2", "--report-to", "none", "--num-draft-tokens", "2",
+                "--max-length", "64"])  # fmt: skip
 
 
 def test_index_records_the_target_fingerprint(workspace):
@@ -102,7 +103,6 @@ def test_old_index_without_fingerprint_is_refused_until_stamped(tmp_path):
     index_path = tmp_path / "f" / INDEX_NAME
     index = json.loads(index_path.read_text())
     del index["target_fingerprint"]
-    index["format_version"] = 1
     index_path.write_text(json.dumps(index))
     dataset = OfflineFeatureDataset(tmp_path / "f")
     with pytest.raises(ValueError, match="no target fingerprint"):

@@ -100,6 +100,7 @@ def _dump_features(args) -> int:
         batch_size=args.batch_size,
         resume=not args.no_resume,
         tokenizer=tokenizer,
+        shard_tokens=args.shard_tokens,
     )
     print(f"dumped features of {index.get('num_examples', len(examples))} examples to {args.output_dir}")
     return 0
@@ -592,6 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer-ids", type=int, nargs="+", default=None, help="override the target layers to store")
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--feature-dtype", default="bfloat16", help="storage dtype: bfloat16, float16 or float32")
+    p.add_argument("--shard-tokens", type=int, default=100_000, help="tokens per shard (the unit of resuming)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--no-resume", action="store_true")
     p.set_defaults(func=_dump_features)

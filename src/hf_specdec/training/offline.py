@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "hf_specdec.offline_features"
-FORMAT_VERSION = 2  # 2: the index holds a "target_fingerprint"
+FORMAT_VERSION = 1
 INDEX_NAME = "index.json"
 _SHARD_PATTERN = "features-{:05d}.safetensors"
 
@@ -264,7 +264,7 @@ def _describe_target(fingerprint: dict | None) -> str:
 
 
 def record_target_fingerprint(path: str | os.PathLike, target: nn.Module, tokenizer=None) -> dict:
-    """Stamps the fingerprint of ``target`` into the index of an existing dump that has none (format version 1).
+    """Stamps the fingerprint of ``target`` into the index of an existing dump that has none (an older dump).
 
     Only for dumps you know were made from ``target``: training then checks against it like a new dump. A dump that
     already has a fingerprint is left alone unless it matches (then nothing changes).
@@ -295,7 +295,6 @@ def record_target_fingerprint(path: str | os.PathLike, target: nn.Module, tokeni
             )
         return recorded
     index["target_fingerprint"] = current
-    index["format_version"] = FORMAT_VERSION
     _atomic_write_json(index_path, index)
     return current
 
@@ -489,7 +488,8 @@ def dump_features(
             )
             if diffs and old.get("shards"):
                 raise ValueError(
-                    f"Cannot resume the dump in {output_dir}: it was made from target {_describe_target(recorded)} "
+                    f"Cannot resume the dump in {output_dir}: it was made from target "
+                    f"{_describe_target(recorded or {'name_or_path': old.get('target_name_or_path')})} "
                     f"and this call uses {_describe_target(metadata['target_fingerprint'])}; they differ in "
                     f"{', '.join(diffs)}. Dump the features again for this target (resume=False / --no-resume) or "
                     "use another output_dir."
@@ -742,14 +742,14 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
 
     @property
     def target_fingerprint(self) -> dict | None:
-        """The fingerprint of the target the features were dumped from (``None`` for dumps older than version 2)."""
+        """The fingerprint of the target the features were dumped from (``None`` for older dumps without one)."""
         return self._index.get("target_fingerprint")
 
     def check_target(self, target: nn.Module, tokenizer=None) -> None:
         """Checks that these features were dumped from ``target`` (see :func:`target_fingerprint`).
 
         The config hash and the weight checksums must match; the tokenizer hash too when both sides know one.
-        A dump without a fingerprint (written before format version 2) is refused as well: nothing shows which
+        A dump without a fingerprint (made before fingerprints were recorded) is refused as well: nothing shows which
         target it came from, and features of another target of the same shape silently give wrong soft labels.
         If you know it was made from ``target``, stamp it with :func:`record_target_fingerprint`, or dump again.
 
