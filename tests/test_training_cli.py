@@ -124,3 +124,18 @@ def test_multi_process_training_with_torchrun(workspace):
     assert record["processes"] == 2 and record["steps"] == 4
     assert record["final_eval"]["loss"] > 0
     assert AutoModelForDrafting.from_pretrained(out) is not None
+
+
+def test_dump_features_refuses_token_ids_outside_the_target_vocabulary(workspace, tmp_path, capsys):
+    root, target, tok = workspace
+    bad = tmp_path / "bad.jsonl"
+    rows = [{"input_ids": [3, 7, 9, 11], "loss_mask": [0, 1, 1, 1]}] * 3 + [
+        {"input_ids": [3, len(tok) + 5, 9], "loss_mask": [0, 1, 1]}
+    ]
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = cli(
+        ["dump-features", "--target", str(root / "target"), "--data", str(bad), "--output-dir", str(tmp_path / "f")]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and f"bad.jsonl:4: token id {len(tok) + 5}" in err, err
+    assert not (tmp_path / "f" / "index.json").exists()

@@ -83,13 +83,22 @@ def _loss_kwargs(args) -> dict | None:
     return out or None
 
 
+def _target_vocab_size(target, drafter) -> int:
+    emb = target.get_input_embeddings()
+    rows = emb.weight.shape[0] if emb is not None and getattr(emb, "weight", None) is not None else None
+    return min(v for v in (rows, drafter.config.target_vocab_size) if v is not None)
+
+
 def _dump_features(args) -> int:
+    from .training.data import check_token_ids
     from .training.offline import dump_features
     from .training.recipes import build_datasets, make_drafter
 
     target, tokenizer = _load_target(args)
     drafter = make_drafter(target, args.drafter, **_drafter_overrides(args))
     dataset, _, info = build_datasets(args.data, tokenizer, args.max_length, eval_fraction=0.0)
+    # Ids the target does not have are refused here, naming the file and line, not deep inside the target.
+    check_token_ids(dataset, _target_vocab_size(target, drafter))
     examples = [dataset[i] for i in range(len(dataset))]
     index = dump_features(
         target,
