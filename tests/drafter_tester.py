@@ -99,6 +99,12 @@ class DrafterTesterMixin(FamilyChecksMixin):
     supports_reduced_vocab = True  # draft_vocab_size < target_vocab_size, set through init_from_data (d2t)
 
     # ------------------------------------------------------------------------------------------------ helpers
+    def _assert_reduced_vocab_refused(self):
+        """A family without a reduced draft vocabulary must refuse ``draft_vocab_size < target_vocab_size``."""
+        target = make_target("llama")
+        with pytest.raises(ValueError, match="draft_vocab_size"):
+            self.make_drafter(target, draft_vocab_size=VOCAB // 2)
+
     def make_config(self, target, **overrides):
         return self.config_class.for_target(target.config, **{**self.config_overrides, **overrides})
 
@@ -252,7 +258,8 @@ class DrafterTesterMixin(FamilyChecksMixin):
         the true tokens. Batch of 3 with left padding (rows with 0, 2 and 4 pads); anchors observed one slot at a
         time, with the speculative work of each proposal discarded by the next ``observe``."""
         if vocab == "reduced" and not self.supports_reduced_vocab:
-            pytest.skip(f"{self.model_class.__name__} declares no reduced draft vocabulary")
+            self._assert_reduced_vocab_refused()
+            return
         steps = 3
         target = make_target("llama", seed=1)
         cfg = {"draft_vocab_size": 40} if vocab == "reduced" else {}
@@ -267,8 +274,10 @@ class DrafterTesterMixin(FamilyChecksMixin):
         with torch.no_grad():
             out = target(input_ids=ids, attention_mask=mask, position_ids=pos, output_hidden_states=True)
             unroll = self.teacher_forced_draft_logits(drafter, ids, out.hidden_states, mask, steps)
-        if unroll is None:
-            pytest.skip(f"{self.model_class.__name__} has no teacher-forced training unroll")
+        assert unroll is not None, (
+            f"{type(self).__name__} must define teacher_forced_draft_logits (the family's training unroll), so that "
+            "training is checked against inference"
+        )
         assert len(unroll) == steps
         full = prefill_inputs(target, ids, mask, torch.zeros(3, dtype=torch.long))  # last slot is never used
         vocab_ids = drafter.draft_token_ids
@@ -354,7 +363,8 @@ class DrafterTesterMixin(FamilyChecksMixin):
         from sampling_check import check_sampling_matches_target
 
         if vocab == "reduced" and not self.supports_reduced_vocab:
-            pytest.skip(f"{self.model_class.__name__} declares no reduced draft vocabulary")
+            self._assert_reduced_vocab_refused()
+            return
         check_sampling_matches_target(self.make_drafter, reduced_vocab=vocab == "reduced")
 
     def test_mismatched_target_raises(self):
