@@ -32,7 +32,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from ..layers import compaction_index
 from ..tree.policies import TREE_OPTIONS, make_tree_policy
-from ..tree.structure import ancestor_matrix, node_depths, validate_parents
+from ..tree.structure import tree_structure, validate_parents
 from ..verification import get_verifier
 from .logits import ScoreProcessor
 from .outputs import SpeculativeDecoderOnlyOutput
@@ -273,8 +273,8 @@ class TargetPasses:
             if self.slot_mask is not None:
                 self.slot_mask = torch.cat([self.slot_mask, self.slot_mask.new_ones(bsz, width)], dim=1)
             return self._forward(feed, self.slot_mask, pos, keep_all=True)
-        parents = proposal.batched_parents().to(feed.device)
-        depth = torch.cat([torch.zeros(bsz, 1, dtype=torch.long, device=feed.device), node_depths(parents)], dim=1)
+        _, depths, tree = tree_structure(proposal, feed.device)  # tree: (bsz, W, W), each node sees its ancestors
+        depth = torch.cat([torch.zeros(bsz, 1, dtype=torch.long, device=feed.device), depths], dim=1)
         pos = self.next_pos[:, None] + depth
         past = self.cache.get_seq_length()
         prev = (
@@ -282,7 +282,6 @@ class TargetPasses:
             if self.slot_mask is not None
             else torch.ones(bsz, past, dtype=torch.bool, device=feed.device)
         )
-        tree = ancestor_matrix(parents, include_root=True)  # (bsz, W, W): each node sees its ancestors and itself
         mask = torch.cat([prev[:, None].expand(bsz, width, past), tree], dim=2)[:, None]
         if self.attn_impl == "eager":
             dtype = self.model.dtype
@@ -778,9 +777,8 @@ def _tree_scores(processor: ScoreProcessor, raw, seq, lengths, proposal: Proposa
     if processor.is_identity or processor.prefix_free:
         return processor(raw, seq, lengths)
     bsz = raw.shape[0]
-    parents = proposal.batched_parents().to(raw.device)
-    anc = ancestor_matrix(parents)  # (bsz, N, N)
-    depths = node_depths(parents)
+    parents, depths, anc_root = tree_structure(proposal, raw.device)
+    anc = anc_root[:, 1:, 1:]  # (bsz, N, N)
     n = parents.shape[1]
     d_max = int(depths.max()) if n else 0
     # path_tokens[b, i + 1, d - 1] = token of node i's ancestor at depth d (column 0, the root, has no path).

@@ -10,7 +10,15 @@ from .policies import (
     make_tree_policy,
     static_tree_from_accuracies,
 )
-from .structure import ancestor_matrix, as_batched_parents, children_table, node_depths, path_nodes, validate_parents
+from .structure import (
+    ancestor_matrix,
+    as_batched_parents,
+    children_table,
+    node_depths,
+    path_nodes,
+    tree_structure,
+    validate_parents,
+)
 
 __all__ = [
     "STATIC_TREES",
@@ -27,4 +35,5 @@ __all__ = [
     "node_depths",
     "path_nodes",
     "validate_parents",
+    "tree_structure",
 ]

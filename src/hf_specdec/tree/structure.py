@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "tree_structure",
     "as_batched_parents",
     "validate_parents",
     "node_depths",
@@ -121,3 +122,22 @@ def path_nodes(
     buf.scatter_(1, slot, torch.where(on_path, nodes, torch.full_like(nodes, -1)))
     out[:] = buf[:, :length]
     return out
+
+
+def tree_structure(proposal, device: torch.device | None = None):
+    """``(parents, depths, ancestors_with_root)`` of a tree proposal, computed once per proposal.
+
+    The loop's target pass, the scoring of processors and the verifier all need the depths and the ancestor
+    matrix; computing them costs a few host syncs (the loops stop early), so the result is kept on the proposal.
+    ``ancestors_with_root`` covers ``[root, node 0, ...]``; ``[:, 1:, 1:]`` is :func:`ancestor_matrix` without it.
+    """
+    cache = proposal.__dict__.get("_tree_structure")
+    if cache is None:
+        parents = proposal.batched_parents()
+        if device is not None:
+            parents = parents.to(device)
+        cache = (parents, node_depths(parents), ancestor_matrix(parents, include_root=True))
+        proposal.__dict__["_tree_structure"] = cache
+    if device is not None and cache[0].device != torch.device(device):
+        return tuple(t.to(device) for t in cache)
+    return cache

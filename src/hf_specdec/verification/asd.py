@@ -33,7 +33,7 @@ import math
 import torch
 
 from ..generation.proposals import Proposal
-from ..tree.structure import ancestor_matrix, node_depths
+from ..tree.structure import tree_structure
 from .base import VerificationResult, Verifier, register_verifier
 from .standard import accepted_prefix_length, best_tree_path, tree_path_result
 
@@ -262,8 +262,8 @@ class ASDVerifier(Verifier):
         mismatch = (tokens != best_node) & valid
         regret = _regret(z_node, best_node, tokens, mismatch)
         del z_node
-        anc = ancestor_matrix(parents)
-        depths = node_depths(parents)
+        _, depths, anc_root = tree_structure(proposal, dev)
+        anc = anc_root[:, 1:, 1:]
         has_child = torch.zeros(bsz, n_nodes + 1, dtype=torch.bool, device=dev)
         has_child.scatter_(1, torch.where(valid, col, torch.zeros_like(col)), valid)
         is_leaf = valid & ~has_child[:, 1:]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..generation.proposals import Proposal
-from ..tree.structure import ancestor_matrix, children_table, node_depths, path_nodes
+from ..tree.structure import children_table, path_nodes, tree_structure
 from .base import VerificationResult, Verifier, register_verifier
 
 __all__ = [
@@ -34,9 +34,8 @@ def best_tree_path(proposal: Proposal, node_ok: torch.BoolTensor, rank: torch.Te
     Returns ``(num_accepted, leaf, path, anc, depths)`` with ``leaf = -1`` where nothing is accepted and ``path``
     the ``(batch, max_accepted)`` nodes of the accepted path (``-1`` padded).
     """
-    parents = proposal.batched_parents().to(node_ok.device)
-    anc = ancestor_matrix(parents)
-    depths = node_depths(parents)
+    _, depths, anc_root = tree_structure(proposal, node_ok.device)
+    anc = anc_root[:, 1:, 1:]
     ok = node_ok & proposal.node_valid().to(node_ok.device)
     path_ok = ~(anc & ~ok[:, None, :]).any(-1)  # every node on the root path is ok
     value = torch.where(path_ok, depths, torch.zeros_like(depths)).to(torch.float64)
@@ -177,7 +176,7 @@ class SpeculativeSamplingVerifier(Verifier):
         parents = proposal.batched_parents().to(dev)
         valid = proposal.node_valid().to(dev)
         table = children_table(parents, valid)  # (bsz, N + 1, C)
-        depths = node_depths(parents)
+        depths = tree_structure(proposal, dev)[1]
         max_depth = int(depths.max()) if n_nodes else 0
         q_all = proposal.draft_probs.to(dev, torch.float32) if proposal.draft_probs is not None else None
         cur = torch.zeros(bsz, dtype=torch.long, device=dev)  # table row of the current node (0: root)

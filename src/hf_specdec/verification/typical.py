@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 
 from ..generation.proposals import Proposal
-from ..tree.structure import ancestor_matrix
+from ..tree.structure import tree_structure
 from .base import VerificationResult, Verifier, register_verifier
 from .standard import accepted_prefix_length, best_tree_path, tree_path_result
 
@@ -74,7 +74,7 @@ class TypicalAcceptanceVerifier(Verifier):
             out[rows, n] = best[rows, n]
             return VerificationResult(num_accepted=n, tokens=out)
         # Trees: the deepest accepted path, ties broken by the path's total log-probability.
-        anc = ancestor_matrix(parents)
+        anc = tree_structure(proposal, scores.device)[2][:, 1:, 1:]
         path_logp = (anc.float() * node_logp[:, None, :]).sum(-1)
         n, leaf, path, _, _ = best_tree_path(proposal, ok, rank=path_logp)
         bonus = scores.argmax(dim=-1).gather(1, (leaf + 1)[:, None]).squeeze(1)
