@@ -59,3 +59,22 @@ def chat_tokenizer(chat_template=True, pad=True):
     if chat_template:
         tok.chat_template = CHATML_TEMPLATE
     return tok
+
+
+def chat_workspace(root, num_prompts: int = 12, seed: int = 0):
+    """A folder with a tiny chat target (and its tokenizer) saved under ``target/`` and ``num_prompts`` chat prompts
+    in ``prompts.jsonl``, for the command-line tests. Returns ``(target, tokenizer, rng)``; ``rng`` continues the
+    seeded stream for callers that write more data."""
+    import json
+    import random
+
+    tok = chat_tokenizer()
+    target = tiny_target("llama", seed=0, vocab=len(tok), sharpen=20.0)
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    rng = random.Random(seed)
+    with open(root / "prompts.jsonl", "w") as fh:
+        for i in range(num_prompts):
+            words = " ".join("".join(rng.choice("abcdefgh") for _ in range(4)) for _ in range(3))
+            fh.write(json.dumps({"id": i, "messages": [{"role": "user", "content": words}]}) + "\n")
+    return target, tok, rng

@@ -18,12 +18,11 @@ import time
 
 import pytest
 import torch
-from helpers import chat_tokenizer
+from helpers import chat_workspace
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from hf_specdec.cli import main as cli
-from hf_specdec.testing import tiny_target
 from hf_specdec.training.offline import INDEX_NAME
 from hf_specdec.training.trainer import find_latest_checkpoint
 
@@ -34,15 +33,7 @@ SEED = 20261130
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
-    tok = chat_tokenizer()
-    target = tiny_target("llama", seed=0, vocab=len(tok), sharpen=20.0)
-    target.save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    rng = random.Random(0)
-    with open(root / "prompts.jsonl", "w") as fh:
-        for i in range(24):
-            words = " ".join("".join(rng.choice("abcdefgh") for _ in range(4)) for _ in range(3))
-            fh.write(json.dumps({"id": i, "messages": [{"role": "user", "content": words}]}) + "\n")
+    target, tok, rng = chat_workspace(root, num_prompts=24)
     with open(root / "data.jsonl", "w") as fh:
         for _ in range(32):
             q = " ".join("".join(rng.choice("abcdefgh") for _ in range(4)) for _ in range(2))

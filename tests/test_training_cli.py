@@ -2,15 +2,13 @@
 and the offline/online equivalence of the loss."""
 
 import json
-import random
 
 import pytest
 import torch
-from helpers import chat_tokenizer
+from helpers import chat_workspace
 
 from hf_specdec import AutoModelForDrafting, Eagle3Config
 from hf_specdec.cli import main as cli
-from hf_specdec.testing import tiny_target
 from hf_specdec.training.data import DataCollator, DrafterDataset, load_records
 from hf_specdec.training.features import capture_target_features
 from hf_specdec.training.offline import OfflineFeatureDataset, collate_offline, dump_features
@@ -19,15 +17,7 @@ from hf_specdec.training.offline import OfflineFeatureDataset, collate_offline, 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
-    tok = chat_tokenizer()
-    target = tiny_target("llama", seed=0, vocab=len(tok), sharpen=20.0)
-    target.save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    rng = random.Random(0)
-    with open(root / "prompts.jsonl", "w") as fh:
-        for i in range(12):
-            words = " ".join("".join(rng.choice("abcdefgh") for _ in range(4)) for _ in range(3))
-            fh.write(json.dumps({"id": i, "messages": [{"role": "user", "content": words}]}) + "\n")
+    target, tok, _ = chat_workspace(root)
     return root, target, tok
 
 
