@@ -216,7 +216,11 @@ class ResidualIsTargetVerifier(SpeculativeSamplingVerifier):
 
 # ---------------------------------------------------------------------------------------------------- the check
 def sample(target, drafter, num_samples=NUM_SAMPLES, seed=0, verifier=None, prompt=PROMPT, **overrides):
-    """``num_samples`` continuations of ``prompt`` in one batched ``generate`` call (rows are independent)."""
+    """``num_samples`` continuations of ``prompt`` in one batched ``generate`` call (rows are independent).
+
+    The draft length is fixed unless ``overrides`` say otherwise: the check is about the verifier's law, and every
+    pass must exercise it (the adaptive length has its own law test in ``tests/test_adaptive.py``)."""
+    overrides.setdefault("draft_length", "fixed")
     prompt = torch.as_tensor(prompt)
     ids = prompt[None].repeat(num_samples, 1)
     torch.manual_seed(seed)

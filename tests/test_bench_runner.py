@@ -50,7 +50,8 @@ def test_benchmark_drafter_identical_and_metrics_consistent():
     torch.manual_seed(0)
     target, tok = make_target(), char_tokenizer()
     drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3)).eval()
-    methods = [plain_method(), drafter_method(drafter, name="eagle3")]
+    # A fixed K and no lookup copies: the metrics below are checked against K = 3.
+    methods = [plain_method(), drafter_method(drafter, name="eagle3", draft_length="fixed", lookup_tokens=0)]
     report = run_benchmark(
         target, tok, methods, PROMPTS, max_new_tokens=12, batch_sizes=[1, 2], warmup=1, repeats=2, progress=False
     )
@@ -85,7 +86,8 @@ def test_oracle_drafter_is_fully_accepted():
     ids = tok(item.text, return_tensors="pt").input_ids
     ref = target.generate(ids, max_new_tokens=16, do_sample=False)
     oracle = make_oracle(target, ref[:, ids.shape[1] :], num_draft_tokens=4)
-    report = run_benchmark(target, tok, [drafter_method(oracle, name="oracle")], [item], max_new_tokens=16,
+    method = drafter_method(oracle, name="oracle", draft_length="fixed", lookup_tokens=0)
+    report = run_benchmark(target, tok, [method], [item], max_new_tokens=16,
                            warmup=0, progress=False)  # fmt: skip
     (spec,) = _records(report, method="oracle")
     assert spec["identical"] is True
@@ -158,11 +160,12 @@ def test_bench_and_demo_commands(tmp_path):
     assert (out / "bench.md").read_text().count("|") > 10
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
-    rc = main(["demo", "--prompts", "1", "--max-new-tokens", "8", "--out", str(tmp_path)])
+    rc = main(["demo", "--target", "demo-code", "--prompts", "1", "--max-new-tokens", "8", "--out", str(tmp_path)])
     assert rc == 0
     summary = json.loads((tmp_path / "demo_report.json").read_text())
     for key in ("speedup", "mean_accepted_length", "identical", "tokens_per_s_plain", "tokens_per_s_speculative"):
         assert key in summary
+    assert summary["target"] == "demo-code" and summary["report"]["config"]["target"] == "hf_specdec demo-target"
     assert summary["identical"] is True and summary["mean_accepted_length"] > 1.0
     assert os.path.exists(tmp_path / "demo_report.png")
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import PAD, char_tokenizer, make_oracle, make_target, ragged_batch
+from helpers import FIXED_K, PAD, char_tokenizer, make_oracle, make_target, ragged_batch
 from sampling_check import (
     ALPHA,
     MIN_BRANCH_SHARE,
@@ -52,7 +52,7 @@ def test_oracle_reaches_full_acceptance(batch, k):
     drafter = make_oracle(target, cont, num_draft_tokens=k)
     kwargs = dict(attention_mask=mask, max_new_tokens=n_new, do_sample=False, eos_token_id=None)
     ref = target.generate(ids, **kwargs)
-    out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs, **FIXED_K)
     assert isinstance(out, SpeculativeDecoderOnlyOutput)
     assert torch.equal(out.sequences, ref)
     # Prefill gives 1 token, then every pass commits K + 1 (the last one is cut by max_new_tokens).

@@ -43,6 +43,8 @@ LAYERS = {
     "generation": CONSUMERS,
     "training": CONSUMERS,
     "bench": CONSUMERS,
+    "chat_prompts": CONSUMERS,
+    "gguf_target": CONSUMERS,
     "cards": TOP,
     "cli": TOP,
     "demo": TOP,

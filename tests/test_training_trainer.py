@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from helpers import make_target
+from helpers import FIXED_K, make_target
 
 from hf_specdec import AutoModelForDrafting, Eagle3Config
 from hf_specdec.training.data import DrafterDataset
@@ -76,8 +76,8 @@ def test_training_lowers_the_loss_raises_tau_and_leaves_the_target_alone(tmp_pat
     # Real speculative decoding agrees with the simulation: the trained drafter is accepted, output is unchanged.
     prompts = torch.stack([held_out[i]["input_ids"][:6] for i in range(len(held_out))])
     kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
-    out = target.generate(prompts, assistant_model=loaded, return_dict_in_generate=True, **kw)
-    untrained = target.generate(prompts, assistant_model=fresh(target), return_dict_in_generate=True, **kw)
+    out = target.generate(prompts, assistant_model=loaded, return_dict_in_generate=True, **kw, **FIXED_K)
+    untrained = target.generate(prompts, assistant_model=fresh(target), return_dict_in_generate=True, **kw, **FIXED_K)
     assert torch.equal(out.sequences, target.generate(prompts, **kw))
     print("real tau", untrained.mean_accepted_length, "->", out.mean_accepted_length)
     assert out.mean_accepted_length > untrained.mean_accepted_length + 0.3

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import make_target
+from helpers import FIXED_K, make_target
 from test_training_trainer import args, fresh, self_distilled
 
 from hf_specdec.features import walk_metrics, walk_passes
@@ -76,6 +76,7 @@ def test_walked_tau_equals_the_tau_generate_measures(setup, k, trained, tmp_path
         do_sample=False,
         eos_token_id=None,
         return_dict_in_generate=True,
+        **FIXED_K,
     )
     assert torch.equal(out.sequences, target.generate(prompts, max_new_tokens=new, do_sample=False, eos_token_id=None))
     seqs = out.sequences
@@ -113,7 +114,9 @@ def test_walk_matches_generate_on_a_left_padded_ragged_batch(setup):
         ids[i, width - n :] = prompts[i, :n]
         mask[i, width - n :] = 1
     kw = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None)
-    out = target.generate(ids, assistant_model=drafter, num_assistant_tokens=k, return_dict_in_generate=True, **kw)
+    out = target.generate(
+        ids, assistant_model=drafter, num_assistant_tokens=k, return_dict_in_generate=True, **kw, **FIXED_K
+    )
     assert torch.equal(out.sequences, target.generate(ids, **kw))
     items = [
         {"input_ids": out.sequences[i, width - n :], "loss_mask": torch.tensor([0] * n + [1] * new)}

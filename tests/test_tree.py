@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ARCHS, make_target, ragged_batch
+from helpers import ARCHS, FIXED_K, make_target, ragged_batch
 from sampling_check import chi_square_test
 from transformers import DynamicCache
 
@@ -486,7 +486,7 @@ def _sample_tree(target, drafter, prompt, n, verifier, tree):
     ids = prompt[None].expand(n, -1)
     out = target.generate(
         ids, assistant_model=drafter, do_sample=True, max_new_tokens=3, tree="static", tree_choices=tree,
-        verifier=verifier, top_k=0, temperature=1.0, eos_token_id=None, return_dict_in_generate=True,
+        verifier=verifier, top_k=0, temperature=1.0, eos_token_id=None, return_dict_in_generate=True, **FIXED_K,
     )  # fmt: skip
     gen = out.sequences[:, prompt.shape[0] :]
     return gen[:, 1], gen[:, 2], out
@@ -550,7 +550,7 @@ def test_feedback_reports_the_accepted_path():
     drafter.init_draft_state = capture
     out = target.generate(
         ids, attention_mask=mask, assistant_model=drafter, do_sample=False, max_new_tokens=10, tree="fork-10",
-        return_dict_in_generate=True,
+        return_dict_in_generate=True, **FIXED_K,
     )  # fmt: skip
     feedback = state_holder["s"]["feedback"]
     assert [f.step for f in feedback] == list(range(len(feedback)))

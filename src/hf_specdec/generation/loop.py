@@ -34,7 +34,9 @@ from ..layers import compaction_index
 from ..tree.policies import TREE_OPTIONS, make_tree_policy
 from ..tree.structure import tree_structure, validate_parents
 from ..verification import get_verifier
+from .adaptive import DRAFT_LENGTH_MODES, controller_for
 from .logits import ScoreProcessor
+from .ngram import merge_lookup
 from .outputs import SpeculativeDecoderOnlyOutput
 from .proposals import DraftInputs, Proposal, VerificationFeedback
 
@@ -448,6 +450,7 @@ class LoopStats:
         self.accept_log: list[torch.Tensor] = []  # per pass: (batch,) tokens committed
         self.draft_log: list[torch.Tensor] = []  # per pass: (batch,) draft tokens proposed
         self.draft_steps = 0  # sequential draft positions, counted once per batch
+        self.lookup_rows = 0  # row-passes whose chain was switched to a prompt-lookup copy
         self.stats_log: dict[str, list[torch.Tensor]] = {}
         self.forwards = torch.zeros(bsz, dtype=torch.long, device=device)
         self.t_start = self.clock()
@@ -520,6 +523,8 @@ def speculative_generate(
     verifier: Any = None,
     verifier_options: dict | None = None,
     draft_options: dict | None = None,
+    draft_length: str | None = None,
+    lookup_tokens: int | None = None,
     spec_streamer=None,
     spec_timing: bool = False,
     **model_kwargs,
@@ -540,6 +545,14 @@ def speculative_generate(
         draft_options: tree options (``tree="eagle2"``, ``tree_depth``, ``tree_top_k``, ``tree_total_tokens``, a
             static ``tree`` name or ``tree="static", tree_choices=[...]``) and the drafter family's own options.
             ``generate`` routes these keywords here.
+        draft_length: ``"adaptive"`` (default): each pass drafts the length, from 0 (a plain step) to
+            ``num_draft_tokens``, that maximises the expected tokens per second measured so far (see
+            :mod:`hf_specdec.generation.adaptive`); for trees, the tree or a plain step. ``"fixed"``: always
+            ``num_draft_tokens`` (or the whole tree). Also read from ``generation_config.draft_length``.
+        lookup_tokens: prompt lookup merged into chains (:mod:`hf_specdec.generation.ngram`): a row whose
+            drafted chain starts like the continuation of the latest earlier occurrence of its last 2-3 tokens
+            drafts that copy instead, up to this many tokens. Default 10; 0 turns it off. Also read from
+            ``generation_config.lookup_tokens``.
         spec_timing: synchronise the accelerator around the drafter and target calls so that the wall-clock split
             reported in ``timings`` is exact on CUDA (costs a little speed; on CPU the split is always exact).
 
@@ -563,10 +576,21 @@ def speculative_generate(
         generation_config, verifier, verifier_options, draft_options, drafter
     )
     ver = get_verifier(verifier, do_sample, **verifier_options)
+    if draft_length is None:
+        draft_length = getattr(generation_config, "draft_length", None) or "adaptive"
+    if draft_length not in DRAFT_LENGTH_MODES:
+        raise ValueError(f"draft_length must be one of {DRAFT_LENGTH_MODES}, got {draft_length!r}.")
     tree_kwargs = {k: draft_options.pop(k) for k in TREE_OPTIONS if k in draft_options}
     policy = make_tree_policy(**tree_kwargs)
-    width_max = policy.max_nodes if policy is not None else k_max  # most draft nodes in one pass
-    depth_max = policy.max_depth if policy is not None else k_max  # most tokens one pass can accept
+    if lookup_tokens is None:
+        lookup_tokens = getattr(generation_config, "lookup_tokens", None)
+    lookup_tokens = 10 if lookup_tokens is None else int(lookup_tokens)
+    if lookup_tokens < 0:
+        raise ValueError(f"lookup_tokens must be >= 0 (0 turns prompt lookup off), got {lookup_tokens}.")
+    if policy is not None:
+        lookup_tokens = 0  # trees: the copy would be a branch; merged into chains only for now
+    width_max = policy.max_nodes if policy is not None else max(k_max, lookup_tokens)  # most draft nodes in a pass
+    depth_max = policy.max_depth if policy is not None else width_max  # most tokens one pass can accept
 
     bsz, prompt_len = input_ids.shape
     work = drafter.device  # = device of the target's LM head
@@ -616,6 +640,13 @@ def speculative_generate(
         streamer.put(input_ids.cpu())
     stats = LoopStats(work, spec_timing and work.type != "cpu", bsz)
     rows = torch.arange(bsz, device=work)
+    starts = (attention_mask == 0).long().sum(dim=1)  # first real token of each (left-padded) row
+    ctrl = None
+    if draft_length == "adaptive":
+        tree_key = tuple(sorted((k, repr(v)) for k, v in tree_kwargs.items())) if policy is not None else None
+        ctrl = controller_for(drafter, width_max if policy is not None else k_max, tree_key, bsz, do_sample, work)
+    plain_steps = 0
+    pending: list[DraftInputs] = []  # verified slots of plain steps, not yet shown to the drafter
 
     # ---------------------------------------------------------------- prefill: one target pass over the prompt
     t0 = stats.clock()
@@ -653,9 +684,14 @@ def speculative_generate(
     while not out.done:
         active = ~out.finished
         lengths = out.lengths
-        k = min(k_max, out.remaining() - 1)  # a pass never drafts past the length limit
+        limit = out.remaining() - 1  # a pass never drafts past the length limit
+        k = min(k_max, limit) if ctrl is None else ctrl.choose(limit)
         t0 = stats.clock()
+        if k > 0 and pending:
+            drafter.observe(state, _merge_inputs(pending))
+            pending.clear()
         if k <= 0:
+            plain_steps += 1
             proposal = Proposal(tokens=seq.new_empty(bsz, 0))
         elif policy is not None:
             proposal = policy.propose(drafter, state)
@@ -664,7 +700,12 @@ def speculative_generate(
             selector.lengths = lengths
             proposal = drafter.propose(state, k, selector)
             stats.draft_steps += proposal.num_nodes
-        _check_proposal(proposal, bsz, max(k, 0), drafter)
+            _check_proposal(proposal, bsz, k, drafter)
+            if lookup_tokens > k and limit > k:
+                proposal, copied = merge_lookup(proposal, seq, starts, lengths, min(lookup_tokens, limit))
+                stats.lookup_rows += int(copied.sum())
+        if policy is not None or k <= 0:
+            _check_proposal(proposal, bsz, max(k, 0), drafter)
         width = proposal.num_nodes + 1
         if proposal.is_linear and proposal.num_nodes:
             seq.scatter_(1, lengths[:, None] + torch.arange(proposal.num_nodes, device=work)[None], proposal.tokens)
@@ -699,30 +740,42 @@ def speculative_generate(
             break
         offsets = torch.arange(n_max + 1, device=work)[None]
         n_fb = n.masked_fill(finished_before, 0)  # rows that had already finished accepted nothing
-        drafter.observe(
-            state,
-            DraftInputs(
-                next_token_ids=new_tokens,
-                position_ids=start_pos[:, None] + offsets,
-                valid=offsets <= n_live[:, None],
-                hidden_states=path_hidden,
-                logits=path_raw,
-                feedback=VerificationFeedback(
-                    proposal=proposal,
-                    num_accepted=n_fb,
-                    accepted_nodes=_accepted_nodes(n_fb, n_max, keep_cols),
-                    step=step,
-                ),
+        verified = DraftInputs(
+            next_token_ids=new_tokens,
+            position_ids=start_pos[:, None] + offsets,
+            valid=offsets <= n_live[:, None],
+            hidden_states=path_hidden,
+            logits=path_raw,
+            # A plain step (K = 0) verified no proposal of the drafter's, so it has no feedback.
+            feedback=None
+            if k <= 0
+            else VerificationFeedback(
+                proposal=proposal,
+                num_accepted=n_fb,
+                accepted_nodes=_accepted_nodes(n_fb, n_max, keep_cols),
+                step=step,
             ),
         )
+        if k <= 0 and ctrl is not None and drafter.observe_in_batches:
+            pending.append(verified)  # a plain step: the drafter catches up when it drafts again
+            if sum(p.next_token_ids.shape[1] for p in pending) >= _MAX_PENDING_SLOTS:
+                drafter.observe(state, _merge_inputs(pending))
+                pending.clear()
+        else:
+            drafter.observe(state, _merge_inputs(pending + [verified]) if pending else verified)
+            pending.clear()
         last_token = new_tokens[rows, n]
         del hidden, logits
-        stats.add("draft_s", t3)
+        t4 = stats.add("draft_s", t3)
+        if ctrl is not None:
+            ctrl.update(k, drafted, committed, ~finished_before, t4 - t0)
         step += 1
 
     if streamer is not None:
         streamer.end()
     stats.finish()
+    stats.timings["plain_steps"] = plain_steps
+    stats.timings["lookup_rows"] = stats.lookup_rows
     stats.timings["cache_compactions"] = target.compactions
     stats.timings["cache_length"] = int(cache.get_seq_length())
     out_seq = out.sequences(pad_value).to(in_device)
@@ -743,6 +796,31 @@ def speculative_generate(
         verifier=ver.name,
         approximate=ver.approximate,
         verifier_stats=stats.verifier_totals(),
+    )
+
+
+_MAX_PENDING_SLOTS = 64  # a drafter catches up at least this often during a run of plain steps
+
+
+def _merge_inputs(items: list[DraftInputs]) -> DraftInputs:
+    """Several passes' verified slots as one :class:`DraftInputs` (slots concatenated in order; the feedback is the
+    last pass's)."""
+    if len(items) == 1:
+        return items[0]
+
+    def cat(values):
+        return None if values[0] is None else torch.cat(values, dim=1)
+
+    hidden = None
+    if items[0].hidden_states is not None:
+        hidden = tuple(cat([it.hidden_states[j] for it in items]) for j in range(len(items[0].hidden_states)))
+    return DraftInputs(
+        next_token_ids=cat([it.next_token_ids for it in items]),
+        position_ids=cat([it.position_ids for it in items]),
+        valid=cat([it.valid for it in items]),
+        hidden_states=hidden,
+        logits=cat([it.logits for it in items]),
+        feedback=items[-1].feedback,
     )
 
 

@@ -104,7 +104,8 @@ class DraftInputs:
             drafter declared it needs none).
         logits: ``(batch, slots, vocab)`` raw target logits for these slots (always given after a decoding pass;
             after the prefill only for drafters that set ``requires_target_logits``).
-        feedback: after a decoding pass, what became of the drafter's last proposal (``None`` after the prefill).
+        feedback: after a decoding pass, what became of the drafter's last proposal (``None`` after the prefill
+            and after plain steps, where the drafter proposed nothing).
     """
 
     next_token_ids: torch.LongTensor

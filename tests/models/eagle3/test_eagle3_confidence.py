@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_target, ragged_batch
+from helpers import FIXED_K, make_target, ragged_batch
 from test_tree import _chi_square_pvalue, _exact_second_third, _tree_sampling_target
 
 from hf_specdec import AutoModelForDrafting, Eagle3Config, Eagle3ForDrafting, Proposal
@@ -26,12 +26,12 @@ def test_confidence_stop_gives_ragged_lengths_and_greedy_identity(batch):
     kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=False)
     ref = target.generate(ids, **kwargs)
     out = target.generate(
-        ids, assistant_model=drafter, draft_confidence_threshold=0.1, return_dict_in_generate=True, **kwargs
+        ids, assistant_model=drafter, draft_confidence_threshold=0.1, return_dict_in_generate=True, **kwargs, **FIXED_K
     )
     assert torch.equal(out.sequences, ref)
     drafted = {d for row in out.draft_lengths for d in row}
     assert len(drafted) > 2 and min(drafted) < 5  # the threshold cut chains at different depths
-    full = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    full = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs, **FIXED_K)
     assert sum(map(sum, out.draft_lengths)) < sum(map(sum, full.draft_lengths))
     with pytest.raises(ValueError, match="probability in"):
         target.generate(ids, attention_mask=mask, assistant_model=drafter, draft_confidence_threshold=2.0)

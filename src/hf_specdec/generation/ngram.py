@@ -1,0 +1,115 @@
+"""Prompt lookup merged into a drafter's chain: take n-gram copies where the drafter agrees with them.
+
+Prompt lookup (Saxena 2023; transformers' ``prompt_lookup_num_tokens``) drafts by copying: it finds the latest
+earlier occurrence of the text's last few tokens and proposes what followed. On repetitive text (summaries, code
+edits, answers quoting their prompt) it proposes long, cheap, often-accepted chains; on novel text it proposes
+nothing useful. A trained drafter is the other way round.
+
+:func:`merge_lookup` takes the better of both per row. After the drafter has drafted its chain, each row's n-gram
+continuation is looked up (:func:`lookup_continuations`). When the drafter's first ``agree`` tokens equal the
+continuation's, the copy is predicted to hold, and the row's chain becomes the drafter's first ``agree`` tokens
+followed by the rest of the copy, up to ``num_tokens`` in all. Rows without a match or without agreement keep the
+drafter's chain.
+
+Lossless sampling holds: the copied tokens are a deterministic function of the text before them, so they enter the
+verifier as point masses (``q = one-hot``), and the decision to copy depends only on tokens already drawn.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .proposals import Proposal
+
+__all__ = ["AGREE", "NGRAM_SIZES", "lookup_continuations", "merge_lookup"]
+
+AGREE = 2  # leading draft tokens that must equal the copy's before a row switches to it
+NGRAM_SIZES = (3, 2)  # n-gram sizes looked up, longest first
+
+
+def lookup_continuations(
+    seq: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    num_tokens: int,
+    ngram_sizes: tuple[int, ...] = (3, 2),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the tokens that followed the latest earlier occurrence of the row's last n tokens (largest n first).
+
+    Args:
+        seq: ``(batch, width)`` token buffer; row ``b``'s text is ``seq[b, starts[b]:lengths[b]]``.
+        starts: ``(batch,)`` first real position (after left padding).
+        lengths: ``(batch,)`` end of the text.
+        num_tokens: longest continuation returned.
+        ngram_sizes: the n-gram sizes tried, in order.
+
+    Returns:
+        ``(tokens, counts)``: ``(batch, num_tokens)`` continuations (zero padded) and ``(batch,)`` their lengths
+        (0: no match).
+    """
+    bsz = seq.shape[0]
+    out = torch.zeros(bsz, num_tokens, dtype=seq.dtype)
+    counts = torch.zeros(bsz, dtype=torch.long)
+    rows = seq.detach().cpu()
+    for b, (s, e) in enumerate(zip(starts.tolist(), lengths.tolist())):
+        text = rows[b, s:e]
+        for n in ngram_sizes:
+            if text.numel() <= n:
+                continue
+            windows = text[:-1].unfold(0, n, 1)  # every n-gram that has at least one token after it
+            hits = (windows == text[-n:]).all(dim=1).nonzero()
+            if hits.numel() == 0:
+                continue
+            i = int(hits[-1]) + n  # the latest occurrence: text[i] followed it
+            cont = text[i : i + num_tokens]
+            out[b, : cont.numel()] = cont
+            counts[b] = cont.numel()
+            break
+    return out.to(seq.device), counts.to(seq.device)
+
+
+def merge_lookup(
+    proposal: Proposal,
+    seq: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    num_tokens: int,
+    agree: int | None = None,
+    ngram_sizes: tuple[int, ...] | None = None,
+) -> tuple[Proposal, torch.Tensor]:
+    """The drafter's chain ``proposal`` with prompt-lookup copies merged in (see the module docstring); ``agree`` and
+    ``ngram_sizes`` default to the module's :data:`AGREE` and :data:`NGRAM_SIZES`.
+
+    Returns the merged proposal (unchanged when no row switched) and a ``(batch,)`` bool tensor of the rows that
+    switched to a copy.
+    """
+    bsz, k = proposal.tokens.shape
+    device = proposal.tokens.device
+    switched = torch.zeros(bsz, dtype=torch.bool, device=device)
+    agree = min(AGREE if agree is None else agree, k)
+    if k == 0 or num_tokens <= agree:
+        return proposal, switched
+    cont, count = lookup_continuations(seq, starts, lengths, num_tokens, ngram_sizes or NGRAM_SIZES)
+    own = proposal.lengths if proposal.lengths is not None else torch.full((bsz,), k, device=device)
+    same = (proposal.tokens[:, :agree] == cont[:, :agree]).all(dim=1)  # all True when agree == 0
+    switched = same & (count > agree) & (own >= agree)
+    if not bool(switched.any()):
+        return proposal, switched
+    width = max(k, int(count[switched].max()))
+    tokens = torch.zeros(bsz, width, dtype=proposal.tokens.dtype, device=device)
+    tokens[:, :k] = proposal.tokens
+    tokens[switched] = cont[switched, :width]
+    new_lengths = torch.where(switched, count, own)
+    probs = proposal.draft_probs
+    if probs is not None:
+        wide = probs.new_zeros(bsz, width, probs.shape[-1])
+        wide[:, :k] = probs
+        copied = torch.nn.functional.one_hot(tokens[switched, agree:], probs.shape[-1]).to(probs.dtype)
+        rows = wide[switched]
+        rows[:, agree:] = copied
+        wide[switched] = rows
+        probs = wide
+    merged = Proposal(
+        tokens=tokens, draft_probs=probs, kind=proposal.kind, lengths=new_lengths, extras=dict(proposal.extras)
+    )
+    return merged, switched

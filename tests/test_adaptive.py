@@ -1,0 +1,176 @@
+"""Adaptive draft length (``draft_length="adaptive"``, the default): the controller's choices, and that no choice
+changes what is generated (greedy identity, lossless sampling)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_oracle, make_target, ragged_batch
+
+from hf_specdec import AutoModelForDrafting, Eagle3Config
+from hf_specdec.generation import adaptive
+from hf_specdec.generation.adaptive import DraftLengthController, controller_for
+
+
+def _feed(ctrl, k, accepted_per_row, seconds, drafted=None):
+    acc = torch.tensor(accepted_per_row)
+    drafted = torch.full_like(acc, k) if drafted is None else torch.tensor(drafted)
+    ctrl.update(k, drafted, acc + 1, torch.ones_like(acc, dtype=torch.bool), seconds)
+
+
+def test_expected_tokens_follow_per_depth_acceptance():
+    ctrl = DraftLengthController(3, decay=1.0)
+    # 4 rows: 0, 1, 2 and 3 drafts accepted -> alpha_1 = 3/4, alpha_2 = 2/3, alpha_3 = 1/2 (plus a weak prior).
+    _feed(ctrl, 3, [0, 1, 2, 3], 1.0)
+    a = ctrl.alphas()
+    assert a[0] == pytest.approx((3 + 0.5) / (4 + 1))
+    assert a[1] == pytest.approx((2 + a[0]) / (3 + 1))
+    assert a[2] == pytest.approx((1 + a[1]) / (2 + 1))
+    assert ctrl.expected_tokens(2) == pytest.approx(1 + a[0] + a[0] * a[1])
+    assert ctrl.expected_tokens(0) == 1.0
+
+
+def test_rows_that_draft_fewer_tokens_do_not_count_deeper():
+    ctrl = DraftLengthController(4, decay=1.0)
+    _feed(ctrl, 4, [1, 1], 1.0, drafted=[1, 4])  # row 0 drafted 1 and had it accepted: depth 2 was never reached
+    assert ctrl.reached[1:] == [2, 2 - 1, 0, 0]
+    assert ctrl.accepted[1:] == [2, 0, 0, 0]
+
+
+def test_chooses_plain_steps_when_drafting_does_not_pay():
+    ctrl = DraftLengthController(5)
+    assert ctrl.choose(100) == 5  # nothing measured: draft
+    _feed(ctrl, 5, [0, 0, 0, 0], 0.20)
+    assert ctrl.choose(100) == 0  # the second pass measures a plain step
+    _feed(ctrl, 0, [0, 0, 0, 0], 0.10)
+    choices = []
+    for _ in range(40):
+        k = ctrl.choose(100)
+        choices.append(k)
+        _feed(ctrl, k, [0, 0, 0, 0] if k else [0, 0, 0, 0], 0.10 + 0.02 * k)
+    # Nothing is ever accepted: plain steps, apart from the periodic probes of a neighbouring length.
+    assert choices.count(0) >= 36, choices
+    assert set(choices) <= {0, 1}
+
+
+def test_chooses_long_drafts_when_they_are_accepted_and_cheap():
+    ctrl = DraftLengthController(5)
+    for _ in range(30):
+        k = ctrl.choose(100)
+        _feed(ctrl, k, [k] * 4, 0.10 + 0.01 * k)  # every draft accepted; a draft token costs 10 % of a step
+    assert ctrl.best() == 5
+    # The same acceptance with an expensive drafter: shorter drafts win.
+    expensive = DraftLengthController(5)
+    for k in range(6):
+        _feed(expensive, k, [k] * 4, 0.10 + 0.08 * k)
+    for _ in range(30):
+        k = expensive.choose(100)
+        _feed(expensive, k, [min(k, 1)] * 4, 0.10 + 0.08 * k)  # only the first draft is ever accepted
+    assert expensive.best() == 1
+
+
+def test_choice_respects_the_length_limit():
+    ctrl = DraftLengthController(5)
+    assert ctrl.choose(2) == 2
+    assert ctrl.choose(0) == 0
+
+
+def test_pass_time_interpolates_and_extrapolates():
+    ctrl = DraftLengthController(6)
+    ctrl.cost = {0: 1.0, 4: 2.0}
+    assert ctrl.pass_time(2) == pytest.approx(1.5)
+    assert ctrl.pass_time(6) == pytest.approx(2.5)  # slope of the two known points
+    one = DraftLengthController(6)
+    one.cost = {3: 2.0}
+    assert one.pass_time(5) > 2.0 > one.pass_time(1) > 0
+
+
+def test_tree_controller_chooses_between_tree_and_plain():
+    ctrl = DraftLengthController(16, tree=True)
+    assert ctrl.arms() == [0, 16]
+    assert ctrl.choose(3) == 16  # the loop caps a tree pass itself; the arm stays the tree
+    ctrl.update(16, torch.tensor([16, 16]), torch.tensor([1, 1]), torch.tensor([True, True]), 0.3)
+    ctrl.update(0, torch.tensor([0, 0]), torch.tensor([1, 1]), torch.tensor([True, True]), 0.1)
+    assert ctrl.best() == 0  # a tree that commits one token per pass is slower than a plain step
+    good = DraftLengthController(16, tree=True)
+    good.update(16, torch.tensor([16]), torch.tensor([5]), torch.tensor([True]), 0.3)
+    good.update(0, torch.tensor([0]), torch.tensor([1]), torch.tensor([True]), 0.1)
+    assert good.best() == 16
+
+
+def test_invalid_mode_is_refused():
+    target = make_target("llama")
+    ids, mask = ragged_batch(1)
+    drafter = make_oracle(target, torch.zeros(1, 40, dtype=torch.long))
+    with pytest.raises(ValueError, match="draft_length must be one of"):
+        target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4, draft_length="auto")
+
+
+class _ScriptedController(DraftLengthController):
+    """Replays a fixed sequence of draft lengths (whatever the measurements say)."""
+
+    script = [4, 0, 2, 1, 4, 3, 0, 0, 4]
+
+    def choose(self, limit):
+        k = self.script[self.passes % len(self.script)]
+        self.passes_chosen = getattr(self, "passes_chosen", []) + [min(k, limit)]
+        return max(min(k, limit), 0)
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    monkeypatch.setattr(adaptive, "DraftLengthController", _ScriptedController)
+    return _ScriptedController
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_identity_under_every_draft_length(scripted, arch, batch):
+    target = make_target(arch)
+    ids, mask = ragged_batch(batch)
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    torch.manual_seed(0)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=4)).eval()
+    out = target.generate(
+        ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=30, do_sample=False,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    assert out.timings["plain_steps"] > 0  # the script's K = 0 passes ran as plain steps
+    assert max(max(row) for row in out.draft_lengths) == 4
+
+
+def test_controller_is_kept_per_setting_across_calls():
+    target = make_target("llama")
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3)).eval()
+    ids, mask = ragged_batch(2)
+    target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=12, do_sample=False)
+    a = controller_for(drafter, 3, None, 2, False, torch.device("cpu"))
+    assert a.passes > 0  # the call above used (and trained) this controller
+    target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=12, do_sample=False)
+    assert controller_for(drafter, 3, None, 2, False, torch.device("cpu")) is a
+    assert controller_for(drafter, 3, None, 1, False, torch.device("cpu")) is not a  # another batch size
+    fixed_passes = a.passes
+    out = target.generate(
+        ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=12, do_sample=False, draft_length="fixed",
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    assert a.passes == fixed_passes  # a fixed length neither asks nor trains the controller
+    assert all(row[0] == 3 for row in out.draft_lengths)  # only the length limit shortens a fixed draft
+
+
+def test_sampling_stays_lossless_with_changing_draft_lengths(scripted):
+    """The shared distribution check with the draft length changing pass by pass (4, 0, 2, 1, ...): the law of the
+    output matches the target's, and the check still rejects a verifier that samples from p after a rejection."""
+    from sampling_check import check_sampling_matches_target
+
+    def make_drafter(target, seed=0, **cfg):
+        torch.manual_seed(seed)
+        return AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3, **cfg))
+
+    _ScriptedController.script = [3, 0, 2, 1, 3]
+    try:
+        out, _ = check_sampling_matches_target(make_drafter, draft_length="adaptive")
+    finally:
+        _ScriptedController.script = [4, 0, 2, 1, 4, 3, 0, 0, 4]
+    assert any(k == 0 for row in out.draft_lengths for k in row)

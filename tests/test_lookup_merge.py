@@ -1,0 +1,152 @@
+"""Prompt lookup merged into drafted chains (``lookup_tokens``): the lookup, the merge rule, identity and
+losslessness."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_oracle, make_target, ragged_batch
+
+from hf_specdec import AutoModelForDrafting, Eagle3Config, Proposal
+from hf_specdec.generation.ngram import lookup_continuations, merge_lookup
+
+
+def test_lookup_finds_the_latest_occurrence_of_the_longest_ngram():
+    #            0  1  2  3  4  5  6  7  8  9 10 11 12
+    row = [0, 0, 5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6, 7]  # two pads, then text ending with 5 6 7
+    seq = torch.tensor([row + [0, 0, 0]])
+    toks, n = lookup_continuations(seq, torch.tensor([2]), torch.tensor([len(row)]), 4)
+    assert n.tolist() == [4] and toks.tolist() == [[1, 2, 5, 6]]  # after the latest 5 6 7 (not the first one)
+    short, n = lookup_continuations(seq, torch.tensor([2]), torch.tensor([len(row)]), 10)
+    assert n.tolist() == [5] and short[0, :5].tolist() == [1, 2, 5, 6, 7]  # stops at the end of the text
+
+
+def test_lookup_falls_back_to_shorter_ngrams_and_ignores_padding():
+    seq = torch.tensor([[3, 3, 9, 4, 8, 2, 4], [3, 3, 9, 4, 5, 6, 7]])
+    toks, n = lookup_continuations(seq, torch.tensor([0, 2]), torch.tensor([7, 7]), 3, ngram_sizes=(3, 2, 1))
+    assert n.tolist()[0] == 3 and toks[0].tolist() == [8, 2, 4]  # only the unigram 4 matches
+    assert n.tolist()[1] == 0  # 7 never occurred before in row 1's text
+    # The padding (3 3) of row 1 is not text: a lookup of "3" there finds nothing.
+    seq2 = torch.tensor([[3, 3, 9, 3]])
+    _, n2 = lookup_continuations(seq2, torch.tensor([2]), torch.tensor([4]), 3, ngram_sizes=(1,))
+    assert n2.tolist() == [0]
+
+
+def _chain(tokens, probs=None, lengths=None):
+    return Proposal(tokens=torch.tensor(tokens), draft_probs=probs, lengths=lengths)
+
+
+def test_merge_switches_only_rows_whose_draft_agrees_with_the_copy():
+    # Row texts end with "5 6"; earlier "5 6" was followed by 7 8 9 10.
+    text = [5, 6, 7, 8, 9, 10, 1, 5, 6]
+    seq = torch.tensor([text, text, [1, 2, 3, 4, 2, 2, 2, 2, 2]])
+    starts, lengths = torch.zeros(3, dtype=torch.long), torch.full((3,), 9)
+    prop = _chain([[7, 8, 1], [7, 4, 4], [7, 8, 9]])
+    merged, switched = merge_lookup(prop, seq, starts, lengths, num_tokens=4, agree=2)
+    assert switched.tolist() == [True, False, False]  # row 1 disagrees at token 2; row 2 has no match
+    assert merged.tokens.shape == (3, 4)
+    assert merged.tokens[0].tolist() == [7, 8, 9, 10]
+    assert merged.tokens[1, :3].tolist() == [7, 4, 4] and merged.lengths.tolist() == [4, 3, 3]
+
+
+def test_merged_copies_are_point_masses_and_drawn_tokens_keep_their_law():
+    text = [5, 6, 7, 8, 9, 10, 1, 5, 6]
+    seq = torch.tensor([text])
+    q = torch.softmax(torch.randn(1, 3, 12), dim=-1)
+    merged, switched = merge_lookup(
+        _chain([[7, 8, 1]], probs=q), seq, torch.zeros(1, dtype=torch.long), torch.tensor([9]), 4, agree=2
+    )
+    assert switched.tolist() == [True]
+    assert torch.equal(merged.draft_probs[0, :2], q[0, :2])  # the drafter's own draws keep their q
+    assert merged.draft_probs[0, 2].tolist() == torch.nn.functional.one_hot(torch.tensor(9), 12).float().tolist()
+    assert merged.draft_probs[0, 3].argmax().item() == 10 and merged.draft_probs[0, 3].max().item() == 1.0
+
+
+def _repetitive_prompt(batch):
+    ids, mask = ragged_batch(batch, length=24)
+    ids[:, 12:] = ids[:, 6:18].clone()  # the second half repeats text seen before
+    return ids, mask
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_identity_with_lookup(batch):
+    target = make_target("llama", sharpen=3.0)
+    ids, mask = _repetitive_prompt(batch)
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    cont = ref[:, ids.shape[1] :]
+    # An oracle drafter that is right about half the time (it then agrees with a copy when the copy is right).
+    drafter = make_oracle(target, cont, corruption=0.4, seed=1, num_draft_tokens=3)
+    out = target.generate(
+        ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=40, do_sample=False, lookup_tokens=8,
+        draft_length="fixed", return_dict_in_generate=True,
+    )  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    off = target.generate(
+        ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=40, do_sample=False, lookup_tokens=0,
+        draft_length="fixed", return_dict_in_generate=True,
+    )  # fmt: skip
+    assert torch.equal(off.sequences, ref) and off.timings["lookup_rows"] == 0
+
+
+def test_lookup_copies_raise_tokens_per_pass_on_repetitive_text():
+    """A target that repeats its prompt: an unhelpful drafter (always wrong after its first token) gets long accepted
+    chains from the copies, and never drafts more than ``lookup_tokens``."""
+    target = make_target("llama")
+    ids = torch.arange(6, 30)[None].repeat(1, 3)  # 6..29 three times: the target's best guess is to continue it
+    ref = target.generate(ids, max_new_tokens=30, do_sample=False)
+    cont = ref[:, ids.shape[1] :]
+    drafter = make_oracle(target, cont, corruption=0.0, num_draft_tokens=3)
+    with_lookup = target.generate(
+        ids, assistant_model=drafter, max_new_tokens=30, do_sample=False, lookup_tokens=8, draft_length="fixed",
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    assert torch.equal(with_lookup.sequences, ref)
+    assert max(max(row) for row in with_lookup.draft_lengths) <= 8
+    copies = with_lookup.timings["lookup_rows"]
+    if copies:  # the target continues its repetition: copies agree with the oracle and are used
+        assert max(max(row) for row in with_lookup.accepted_lengths) > 4
+    else:  # the target broke the pattern at once: nothing to copy (still identical)
+        assert max(max(row) for row in with_lookup.draft_lengths) <= 3
+
+
+def test_negative_lookup_is_refused():
+    target = make_target("llama")
+    ids, mask = ragged_batch(1)
+    drafter = make_oracle(target, torch.zeros(1, 40, dtype=torch.long))
+    with pytest.raises(ValueError, match="lookup_tokens must be >= 0"):
+        target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4, lookup_tokens=-1)
+
+
+def test_sampling_stays_lossless_with_lookup_copies(monkeypatch):
+    """The shared law check (``sampling_check.py``) with copies merged as often as possible: unigram lookup and no
+    agreement needed, so every row whose last token occurred before drafts the copy (point masses). K = 2 drafted
+    tokens grow to 3 with a copy, inside the checked window. The output law stays the target's, and the check
+    rejects a verifier that samples from p after a rejection."""
+    from sampling_check import (
+        PROMPT,
+        ResidualIsTargetVerifier,
+        describe,
+        exact_laws,
+        fails_check,
+        law_pvalues,
+        sample,
+        sampling_target,
+    )
+
+    from hf_specdec.generation import ngram
+
+    monkeypatch.setattr(ngram, "AGREE", 0)
+    monkeypatch.setattr(ngram, "NGRAM_SIZES", (1,))
+    prompt = tuple(range(4, 16)) + PROMPT  # nearly every token occurs before: the first drawn token has a copy
+    target = sampling_target()
+    laws = exact_laws(target, prompt)
+    torch.manual_seed(6)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=2))
+    opts = {"num_assistant_tokens": 2, "lookup_tokens": 3}
+    out, gen = sample(target, drafter, prompt=prompt, **opts)
+    copied = sum(1 for row in out.draft_lengths if row[0] == 3)
+    assert copied > 1000, f"only {copied} rows drafted a copy in their first pass: the lookup was not exercised"
+    pvalues = law_pvalues(gen, laws)
+    assert not fails_check(pvalues), f"the output law differs from the target's: {describe(pvalues)}"
+    _, bad = sample(target, drafter, verifier=ResidualIsTargetVerifier(), prompt=prompt, **opts)
+    assert fails_check(law_pvalues(bad, laws)), "the check cannot tell a wrong residual apart"
