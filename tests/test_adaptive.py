@@ -132,7 +132,7 @@ def test_greedy_identity_under_every_draft_length(scripted, arch, batch):
     torch.manual_seed(0)
     drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=4)).eval()
     out = target.generate(
-        ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=30, do_sample=False,
+        ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=30, do_sample=False, lookup_tokens=0,
         return_dict_in_generate=True,
     )  # fmt: skip
     assert torch.equal(out.sequences, ref)
@@ -174,3 +174,83 @@ def test_sampling_stays_lossless_with_changing_draft_lengths(scripted):
     finally:
         _ScriptedController.script = [4, 0, 2, 1, 4, 3, 0, 0, 4]
     assert any(k == 0 for row in out.draft_lengths for k in row)
+
+
+def test_lookup_is_taken_instead_of_plain_steps_only_while_it_pays():
+    ctrl = DraftLengthController(3, probe_every=5)
+    _feed(ctrl, 0, [0], 1.0)  # plain step: 1 token per second
+    assert ctrl.use_lookup()  # lookup not measured yet: try it
+    ctrl.update(0, torch.tensor([4]), torch.tensor([1]), torch.tensor([True]), 1.5, lookup=True)
+    assert ctrl.cost[0] == 1.0  # measured apart from plain steps
+    assert ctrl.lookup_tokens == 1.0 and ctrl.lookup_cost == 1.5
+    # 1 token in 1.5 s loses to plain steps: refused, except every probe_every-th match.
+    answers = [ctrl.use_lookup() for _ in range(10)]
+    assert answers.count(True) == 2 and answers[3] and answers[8]
+    for _ in range(20):
+        ctrl.update(0, torch.tensor([4]), torch.tensor([4]), torch.tensor([True]), 1.5, lookup=True)
+    assert ctrl.lookup_tokens > 3.5 and all(ctrl.use_lookup() for _ in range(10))
+
+
+class _PlainThenLookup(DraftLengthController):
+    """Always asks for a plain step and always takes a lookup copy when there is one."""
+
+    def choose(self, limit):
+        return 0
+
+    def use_lookup(self):
+        return True
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_lookup_passes_in_place_of_plain_steps_keep_greedy_identity(monkeypatch, arch, batch):
+    from test_lookup_merge import _repetitive_prompt
+
+    monkeypatch.setattr(adaptive, "DraftLengthController", _PlainThenLookup)
+    target = make_target(arch, sharpen=3.0)
+    ids, mask = _repetitive_prompt(batch)
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None)
+    torch.manual_seed(0)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3)).eval()
+    out = target.generate(
+        ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=40, do_sample=False, lookup_tokens=6, eos_token_id=None,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    assert out.timings["lookup_passes"] > 0 and out.timings["draft_steps"] == 0  # copies only, nothing drafted
+    assert max(max(row) for row in out.accepted_lengths) > 1  # some copies were accepted
+    assert out.timings["plain_steps"] + out.timings["lookup_passes"] == out.timings["passes"]
+
+
+def test_lookup_passes_keep_sampling_lossless(monkeypatch):
+    """The shared law check with every pass a lookup-only pass (unigram lookup, so nearly every pass has a copy):
+    the copies are point masses, the output law stays the target's, and a wrong residual is rejected."""
+    from sampling_check import (
+        PROMPT,
+        ResidualIsTargetVerifier,
+        describe,
+        exact_laws,
+        fails_check,
+        law_pvalues,
+        sample,
+        sampling_target,
+    )
+
+    from hf_specdec.generation import ngram
+
+    monkeypatch.setattr(adaptive, "DraftLengthController", _PlainThenLookup)
+    monkeypatch.setattr(ngram, "NGRAM_SIZES", (1,))
+    prompt = tuple(range(4, 16)) + PROMPT
+    target = sampling_target()
+    laws = exact_laws(target, prompt)
+    torch.manual_seed(6)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=2))
+    opts = {"num_assistant_tokens": 2, "lookup_tokens": 3, "draft_length": "adaptive"}
+    out, gen = sample(target, drafter, prompt=prompt, **opts)
+    copied = sum(1 for row in out.draft_lengths if row[0] >= 2)
+    assert copied > 1000, f"only {copied} rows verified a copy in their first pass: the lookup was not exercised"
+    assert out.timings["draft_steps"] == 0
+    pvalues = law_pvalues(gen, laws)
+    assert not fails_check(pvalues), f"the output law differs from the target's: {describe(pvalues)}"
+    _, bad = sample(target, drafter, verifier=ResidualIsTargetVerifier(), prompt=prompt, **opts)
+    assert fails_check(law_pvalues(bad, laws)), "the check cannot tell a wrong residual apart"

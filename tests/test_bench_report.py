@@ -39,6 +39,7 @@ def record(method, kind, category, speedup, tau, **extra):
 @pytest.fixture
 def report():
     eagle = {"acceptance_by_position": [0.85, 0.74, 0.66, 0.6, 0.52], "alpha": 0.82, "draft_cost_ratio": 0.17}
+    eagle.update(plain_step_share=0.25, lookup_pass_share=0.05, cache_length_ratio=1.0312)
     records = [
         record("plain", "plain", "all", 1.0, 1.0),
         record("eagle3:demo-eagle3", "drafter", "all", 1.62, 3.9, speedup_bound=5.5, tokens_per_s=82.96, **eagle),
@@ -77,15 +78,18 @@ def table_rows(table):
 def test_markdown_table_all_category(report):
     table = markdown_table(report)
     header = table.splitlines()[0]
-    assert header == "| Method | Mode | Batch | tokens/s | Speedup | τ | α | c | Bound | Identical |"
+    assert header == (
+        "| Method | Mode | Batch | tokens/s | Speedup | τ | α | c | Bound | Plain/lookup | Cache | Identical |"
+    )
     rows = table_rows(table)
     assert len(rows) == 4
-    assert rows[0] == ["plain", "greedy", "1", "51.2", "1.00×", "1.00", "—", "—", "—", "yes"]
-    assert rows[1] == ["eagle3:demo-eagle3", "greedy", "1", "83.0", "1.62×", "3.90", "0.82", "0.17", "5.50×", "yes"]
+    assert rows[0] == ["plain", "greedy", "1", "51.2", "1.00×", "1.00", "—", "—", "—", "—", "—", "yes"]
+    assert rows[1][:9] == ["eagle3:demo-eagle3", "greedy", "1", "83.0", "1.62×", "3.90", "0.82", "0.17", "5.50×"]
+    assert rows[1][9:] == ["25%/5%", "1.03", "yes"]  # shares of plain steps / lookup passes, cache over sequence
     assert rows[2][0] == "prompt-lookup" and rows[2][3] == "—" and rows[2][8] == "—"
     # Sampling: no stored bound, so min(1/c, 1/(1-α)) = min(5, 3.33); identical unknown.
     assert rows[3][1:3] == ["sampling T=0.7", "1"]
-    assert rows[3][8] == "3.33×" and rows[3][9] == "—"
+    assert rows[3][8] == "3.33×" and rows[3][11] == "—"
     assert "1.62×" in table and "—" in table
 
 

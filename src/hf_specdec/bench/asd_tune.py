@@ -4,8 +4,9 @@ The ASD paper recommends choosing the budget ``B``, gate ``g`` and block cap ``M
 workload on held-out data, then freezing them. :func:`tune_asd` runs strict verification and every candidate on the
 dev prompts in one interleaved benchmark and picks the candidate with the highest mean accepted length τ whose
 quality stays within the constraint: the target's mean log-likelihood per generated token may drop by at most
-``max_logprob_drop`` nats against strict (= plain greedy) decoding, and optionally the share of prompts whose output
-changes may not exceed ``max_divergence``. τ is the selection criterion because it is deterministic; the measured
+``max_logprob_drop`` nats against strict (= plain greedy) decoding, optionally the share of prompts whose output
+changes may not exceed ``max_divergence``, and, with a task scorer (:mod:`hf_specdec.bench.tasks`), task accuracy may
+drop by at most ``max_accuracy_drop`` against strict. τ is the selection criterion because it is deterministic; the measured
 speedups are reported next to it.
 """
 
@@ -46,6 +47,8 @@ def tune_asd(
     max_new_tokens: int = 96,
     num_draft_tokens: int | None = None,
     progress: bool = True,
+    scorer=None,
+    max_accuracy_drop: float | None = None,
 ) -> dict:
     """Grid search over ``(B, g, M)``; returns the chosen settings, every candidate's figures and the report.
 
@@ -56,21 +59,35 @@ def tune_asd(
     """
     if max_logprob_drop < 0:
         raise ValueError(f"max_logprob_drop must be >= 0, got {max_logprob_drop}.")
+    if max_accuracy_drop is not None and (scorer is None or max_accuracy_drop < 0):
+        raise ValueError("max_accuracy_drop needs a task scorer (--task) and must be >= 0.")
     grid = list(itertools.product(budgets, gates, block_caps))
     if not grid:
         raise ValueError("The ASD grid is empty: give at least one budget, gate and block cap.")
-    strict = drafter_method(drafter, name="strict", num_draft_tokens=num_draft_tokens)
+    # Fixed draft length, no lookup merge: every candidate verifies the same kind of proposals as strict, whatever
+    # the wall clock says (the adaptive length would make the comparison depend on timing noise).
+    fixed = {"draft_length": "fixed", "lookup_tokens": 0}
+    strict = drafter_method(drafter, name="strict", num_draft_tokens=num_draft_tokens, **fixed)
     candidates = {}
     for b, g, m in grid:
         options = {"budget": float(b), "gate": float(g), "block_cap": int(m)}
         name = f"asd B={b} g={g} M={m}"
         candidates[name] = options
     methods = [plain_method(), strict] + [
-        drafter_method(drafter, name=name, num_draft_tokens=num_draft_tokens, verifier="asd", verifier_options=opts)
+        drafter_method(
+            drafter, name=name, num_draft_tokens=num_draft_tokens, verifier="asd", verifier_options=opts, **fixed
+        )
         for name, opts in candidates.items()
     ]
     report = run_benchmark(
-        target, tokenizer, methods, dev_prompts, max_new_tokens=max_new_tokens, warmup=1, progress=progress
+        target,
+        tokenizer,
+        methods,
+        dev_prompts,
+        max_new_tokens=max_new_tokens,
+        warmup=1,
+        progress=progress,
+        scorer=scorer,
     )
     by_name = {r["method"]: r for r in report["records"] if r["category"] == "all"}
     base = by_name["plain"]
@@ -83,6 +100,11 @@ def tune_asd(
         ok = drop is not None and drop <= max_logprob_drop
         if max_divergence is not None:
             ok = ok and rec["divergence_rate"] is not None and rec["divergence_rate"] <= max_divergence
+        accuracy_drop = None
+        if scorer is not None:
+            accuracy_drop = by_name["strict"]["task_accuracy"] - rec["task_accuracy"]
+            if max_accuracy_drop is not None:
+                ok = ok and accuracy_drop <= max_accuracy_drop + 1e-12
         rows.append(
             {
                 "name": name,
@@ -96,6 +118,9 @@ def tune_asd(
                 ),
                 "divergence_rate": rec["divergence_rate"],
                 "logprob_drop": None if drop is None else round(drop, 5),
+                "task_accuracy": rec.get("task_accuracy"),
+                "accuracy_drop": None if accuracy_drop is None else round(accuracy_drop, 5),
+                "length_cap_hits": rec.get("length_cap_hits"),
                 "meets_constraint": ok,
             }
         )
@@ -107,8 +132,15 @@ def tune_asd(
     return {
         "recommended": recommended,
         "chosen": best["name"] if best else None,
-        "constraint": {"max_logprob_drop": max_logprob_drop, "max_divergence": max_divergence},
-        "strict": {k: by_name["strict"][k] for k in ("mean_accepted_length", "speedup", "identical")},
+        "constraint": {
+            "max_logprob_drop": max_logprob_drop,
+            "max_divergence": max_divergence,
+            "max_accuracy_drop": max_accuracy_drop,
+        },
+        "strict": {
+            k: by_name["strict"].get(k)
+            for k in ("mean_accepted_length", "speedup", "identical", "task_accuracy", "length_cap_hits")
+        },
         "candidates": rows,
         "num_dev_prompts": len(dev_prompts),
         "report": report,

@@ -28,8 +28,21 @@ __all__ = [
 ]
 
 DASH = "—"
-_COLUMNS = ("Method", "Mode", "Batch", "tokens/s", "Speedup", "τ", "α", "c", "Bound", "Identical")
-_NUMERIC = {"Batch", "tokens/s", "Speedup", "τ", "α", "c", "Bound"}
+_COLUMNS = (
+    "Method",
+    "Mode",
+    "Batch",
+    "tokens/s",
+    "Speedup",
+    "τ",
+    "α",
+    "c",
+    "Bound",
+    "Plain/lookup",
+    "Cache",
+    "Identical",
+)
+_NUMERIC = {"Batch", "tokens/s", "Speedup", "τ", "α", "c", "Bound", "Plain/lookup", "Cache"}
 
 
 def markdown_table(report: dict, category: str | None = "all") -> str:
@@ -373,11 +386,22 @@ def _row_cells(r: dict, with_category: bool = False) -> list[str]:
         _fmt(r.get("alpha"), "{:.2f}"),
         _fmt(r.get("draft_cost_ratio"), "{:.2f}"),
         _fmt(_bound(r), "{:.2f}×"),
+        _shares(r),
+        # The cache's length over the sequence's at the end of the run (batched caches keep rejected slots).
+        _fmt(r.get("cache_length_ratio"), "{:.2f}"),
         _identical(r),
     ]
     if with_category:
         cells.insert(1, str(r.get("category", "all")))
     return cells
+
+
+def _shares(r: dict) -> str:
+    """Share of passes run as plain steps / as prompt-lookup copies alone (the adaptive draft length)."""
+    plain, lookup = r.get("plain_step_share"), r.get("lookup_pass_share")
+    if plain is None and lookup is None:
+        return DASH
+    return f"{100 * (plain or 0):.0f}%/{100 * (lookup or 0):.0f}%"
 
 
 def _category_cell(r: dict | None) -> str:

@@ -23,6 +23,13 @@ Metrics per method, decoding mode, batch size and category (see :func:`run_bench
 * ``verify_cost_ratio`` v: one verification pass (``K + 1`` tokens) over one plain decoding step, and
   ``predicted_speedup`` = τ / (v + drafting time per pass in plain steps): what the measured τ, v and c imply, the
   loop's own bookkeeping excluded (hf_specdec drafters);
+* ``plain_step_share`` and ``lookup_pass_share``: the passes that the adaptive draft length ran as plain steps, and
+  as prompt-lookup copies alone (hf_specdec drafters);
+* ``cache_length_ratio``: the target cache's length at the end of a run over the sequence length (the worst run);
+  a batched cache holds masked slots of rejected tokens until compacted, so this shows how compact it stayed;
+* ``length_cap_hits``: outputs that reached ``max_new_tokens`` without an EOS (first repeat), and with a task
+  scorer, ``task_accuracy`` (share of outputs the task judges correct: pass@1, exact match) over ``task_scored``
+  outputs;
 * ``identical``: greedy outputs are token-identical to plain ``generate`` (``None`` for sampling), every row compared
   up to and including its first EOS;
 * ``mismatches``, ``near_tie_mismatches``, ``real_mismatches``, ``identical_up_to_near_ties``, ``mismatch_details``:
@@ -314,9 +321,14 @@ class _Run:
     draft_steps: int = 0
     verify_target_s: float = 0.0  # target time in verification passes
     passes: int = 0
+    plain_steps: int = 0  # passes the adaptive length ran as plain steps
+    lookup_passes: int = 0  # passes that verified prompt-lookup copies alone
+    cache_ratio: float | None = None  # target cache length over the sequence length at the end
     assistant_calls: int = 0
     assistant_s: float = 0.0
     target_logprob: tuple[float, int] | None = None  # (sum of log-probs, tokens) of the generated tokens
+    task_scores: list[bool] | None = None  # per row, with a task scorer (first repeat)
+    cap_hits: int = 0  # rows that reached max_new_tokens without an EOS
     prompt_width: int = 0
     divergences: list[dict] | None = None  # greedy: the classified first divergences from plain (first repeat)
 
@@ -373,6 +385,7 @@ def run_benchmark(
     max_prompt_tokens: int | None = None,
     progress: bool = True,
     config: dict | None = None,
+    scorer=None,
 ) -> dict:
     """Runs every method on every prompt, interleaved, and returns a report (see :mod:`hf_specdec.bench.report`).
 
@@ -390,6 +403,9 @@ def run_benchmark(
         max_prompt_tokens: keep only the last ``N`` tokens of longer prompts (``None``: an over-long prompt is an
             error).
         config: extra fields recorded in the report's ``config``.
+        scorer: ``score(item, text) -> bool`` for a task with checkable answers
+            (:func:`hf_specdec.bench.tasks.load_task`): every method's first-repeat output of every prompt, decoded
+            up to its first EOS, is scored, giving ``task_accuracy`` per record.
     """
     if not prompts:
         raise ValueError("No prompts to benchmark: check the prompt source, categories and limits.")
@@ -473,6 +489,8 @@ def run_benchmark(
             sequences=sequences.cpu(),
             prompt_width=ids.shape[1],
         )
+        # Generation ends at an EOS or at max_new_tokens: a row without an EOS was cut by the cap.
+        run.cap_hits = sum(not (set(row.tolist()) & eos_ids) for row in run.sequences[:, ids.shape[1] :])
         if method.kind == "drafter":
             for acc_row, draft_row in zip(out.accepted_lengths, out.draft_lengths):
                 run.accepted.extend(acc_row)
@@ -481,6 +499,10 @@ def run_benchmark(
             run.draft_steps = out.timings["draft_steps"]
             run.verify_target_s = out.timings["target_s"]
             run.passes = out.timings["passes"]
+            run.plain_steps = out.timings.get("plain_steps", 0)
+            run.lookup_passes = out.timings.get("lookup_passes", 0)
+            if out.timings.get("cache_length"):
+                run.cache_ratio = out.timings["cache_length"] / sequences.shape[1]
         if counter is not None:
             run.assistant_calls, run.assistant_s = counter.calls, counter.seconds
         return run
@@ -527,6 +549,15 @@ def run_benchmark(
             if name in scored and temperature == 0:
                 ids, mask = make_inputs(batches_of[bsz][b_idx])
                 runs[0].target_logprob = _target_logprob(target, runs[0].sequences, mask, eos_ids, input_device)
+
+    if scorer is not None:  # task accuracy of every method's first-repeat outputs (untimed)
+        for (_, _, bsz, b_idx), runs in results.items():
+            run = runs[0]
+            texts = [
+                tokenizer.decode(_row_tokens(row, eos_ids), skip_special_tokens=True)
+                for row in run.sequences[:, run.prompt_width :]
+            ]
+            run.task_scores = [bool(scorer(item, text)) for item, text in zip(batches_of[bsz][b_idx], texts)]
 
     # Greedy mismatches: each output that differs from plain's, classified at its first divergent token (untimed).
     rounding_dtype = _rounding_dtype(target)
@@ -822,6 +853,21 @@ def _aggregate(results, name, temperature, bsz, idx, plain: dict | None, plain_n
         target_logprob=_round(logprob),
         mismatch_details=details,
     )
+    passes = sum(r.passes for r in runs)
+    if passes:
+        rec["plain_step_share"] = _round(sum(r.plain_steps for r in runs) / passes)
+        rec["lookup_pass_share"] = _round(sum(r.lookup_passes for r in runs) / passes)
+    firsts = [r for i in idx for r in results.get((name, temperature, bsz, i), [])[:1]]
+    rec["length_cap_hits"] = sum(r.cap_hits for r in firsts)  # outputs cut by max_new_tokens, not ended by EOS
+    scores = [s for r in firsts for s in (r.task_scores or [])]
+    if scores:
+        rec["task_accuracy"] = _round(sum(scores) / len(scores))
+        rec["task_scored"] = len(scores)
+    ratios = [r.cache_ratio for r in runs if r.cache_ratio is not None]
+    if ratios:
+        # The batched cache keeps masked slots of rejected tokens until it is compacted: its length at the end of
+        # a run over the sequence length (prompt padding included), the worst run.
+        rec["cache_length_ratio"] = _round(max(ratios))
     return rec
 
 

@@ -24,6 +24,12 @@ large batch on a compute-bound device.
 
 For tree policies the choice is between the tree and a plain step; the tree's tokens per pass are measured directly.
 
+Where a plain step wins, prompt lookup gets its own chance: when the text's last n-gram occurred before, the pass can
+verify the copied continuation instead (no drafting; :func:`hf_specdec.generation.ngram.lookup_proposal`). Its tokens
+per pass and pass time are measured separately (:meth:`DraftLengthController.use_lookup`): it is taken while it beats
+plain steps, tried once when nothing is known, and re-tried every ``probe_every`` matches so that a passage that
+turns repetitive is noticed.
+
 The choice never changes *what* is generated: greedy output stays identical to plain decoding, and sampling stays
 lossless. Because the choice depends on wall-clock measurements, a sampled output for a fixed seed is not
 bit-reproducible run to run with the adaptive length; pass ``draft_length="fixed"`` for that.
@@ -74,6 +80,9 @@ class DraftLengthController:
         self.passes = 0
         self._probe_side = 1
         self.last_choice: int | None = None
+        self.lookup_tokens: float | None = None  # tokens committed per row per lookup-only pass (moving average)
+        self.lookup_cost: float | None = None  # seconds of a lookup-only pass (moving average)
+        self._lookup_matches = 0
 
     # ------------------------------------------------------------------ estimates
     def alphas(self) -> list[float]:
@@ -165,10 +174,39 @@ class DraftLengthController:
         self.last_choice = choice
         return choice
 
-    def update(self, k: int, drafted: torch.Tensor, committed: torch.Tensor, active: torch.Tensor, seconds: float):
+    def use_lookup(self) -> bool:
+        """Whether a pass for which :meth:`choose` gave ``0`` should verify prompt-lookup copies instead (asked only
+        when some row has a match): yes while lookup passes commit more tokens per second than plain steps, when
+        either is not measured yet, and every ``probe_every``-th match (to notice that it started paying)."""
+        self._lookup_matches += 1
+        plain = self.cost.get(0)
+        if self.lookup_cost is None or self.lookup_tokens is None or plain is None:
+            return True
+        if self._lookup_matches % self.probe_every == 0:
+            return True
+        return self.lookup_tokens / self.lookup_cost > 1.0 / plain
+
+    def update(
+        self,
+        k: int,
+        drafted: torch.Tensor,
+        committed: torch.Tensor,
+        active: torch.Tensor,
+        seconds: float,
+        lookup: bool = False,
+    ):
         """Records a pass: ``k`` asked for, per-row ``drafted`` tokens and ``committed`` tokens, which rows were
-        still generating (``active``), and the pass's wall time."""
+        still generating (``active``), and the pass's wall time. ``lookup``: the pass verified prompt-lookup copies
+        in place of the plain step ``k = 0`` (measured apart from plain steps)."""
         self.passes += 1
+        if lookup:
+            act = active.bool().cpu()
+            if bool(act.any()):
+                mean = float(committed.cpu()[act].float().mean())
+                s = self.smoothing
+                self.lookup_tokens = mean if self.lookup_tokens is None else (1 - s) * self.lookup_tokens + s * mean
+                self.lookup_cost = seconds if self.lookup_cost is None else (1 - s) * self.lookup_cost + s * seconds
+            return
         self.cost[k] = seconds if k not in self.cost else (1 - self.smoothing) * self.cost[k] + self.smoothing * seconds
         if k <= 0:
             return

@@ -36,7 +36,7 @@ from ..tree.structure import tree_structure, validate_parents
 from ..verification import get_verifier
 from .adaptive import DRAFT_LENGTH_MODES, controller_for
 from .logits import ScoreProcessor
-from .ngram import merge_lookup
+from .ngram import lookup_proposal, merge_lookup
 from .outputs import SpeculativeDecoderOnlyOutput
 from .proposals import DraftInputs, Proposal, VerificationFeedback
 
@@ -451,6 +451,7 @@ class LoopStats:
         self.draft_log: list[torch.Tensor] = []  # per pass: (batch,) draft tokens proposed
         self.draft_steps = 0  # sequential draft positions, counted once per batch
         self.lookup_rows = 0  # row-passes whose chain was switched to a prompt-lookup copy
+        self.lookup_passes = 0  # passes that verified prompt-lookup copies alone (instead of a plain step)
         self.stats_log: dict[str, list[torch.Tensor]] = {}
         self.forwards = torch.zeros(bsz, dtype=torch.long, device=device)
         self.t_start = self.clock()
@@ -551,8 +552,9 @@ def speculative_generate(
             ``num_draft_tokens`` (or the whole tree). Also read from ``generation_config.draft_length``.
         lookup_tokens: prompt lookup merged into chains (:mod:`hf_specdec.generation.ngram`): a row whose
             drafted chain starts like the continuation of the latest earlier occurrence of its last 2-3 tokens
-            drafts that copy instead, up to this many tokens. Default 10; 0 turns it off. Also read from
-            ``generation_config.lookup_tokens``.
+            drafts that copy instead, up to this many tokens. With the adaptive length, a pass that would be a
+            plain step verifies the copies alone where that is measured to pay. Default 10; 0 turns it off. Also
+            read from ``generation_config.lookup_tokens``.
         spec_timing: synchronise the accelerator around the drafter and target calls so that the wall-clock split
             reported in ``timings`` is exact on CUDA (costs a little speed; on CPU the split is always exact).
 
@@ -677,7 +679,8 @@ def speculative_generate(
     )
     del hidden, logits
     stats.add("draft_s", t0)
-    selector = _DraftSelector(processor, seq, out.lengths, do_sample, gen, raw0.shape[-1])
+    vocab = raw0.shape[-1]
+    selector = _DraftSelector(processor, seq, out.lengths, do_sample, gen, vocab)
 
     # ---------------------------------------------------------------- decoding steps
     step = 0
@@ -690,9 +693,16 @@ def speculative_generate(
         if k > 0 and pending:
             drafter.observe(state, _merge_inputs(pending))
             pending.clear()
+        lookup_pass = False
         if k <= 0:
-            plain_steps += 1
             proposal = Proposal(tokens=seq.new_empty(bsz, 0))
+            if lookup_tokens and policy is None and ctrl is not None and limit > 0:
+                # Drafting does not pay now; copying might (nothing to draft, only a wider target pass).
+                copy = lookup_proposal(seq, starts, lengths, min(lookup_tokens, limit), vocab, do_sample, active)
+                if copy is not None and ctrl.use_lookup():
+                    proposal, lookup_pass = copy, True
+                    stats.lookup_passes += 1
+            plain_steps += not lookup_pass
         elif policy is not None:
             proposal = policy.propose(drafter, state)
             stats.draft_steps += policy.max_depth
@@ -704,7 +714,7 @@ def speculative_generate(
             if lookup_tokens > k and limit > k:
                 proposal, copied = merge_lookup(proposal, seq, starts, lengths, min(lookup_tokens, limit))
                 stats.lookup_rows += int(copied.sum())
-        if policy is not None or k <= 0:
+        if policy is not None or (k <= 0 and not lookup_pass):
             _check_proposal(proposal, bsz, max(k, 0), drafter)
         width = proposal.num_nodes + 1
         if proposal.is_linear and proposal.num_nodes:
@@ -768,7 +778,7 @@ def speculative_generate(
         del hidden, logits
         t4 = stats.add("draft_s", t3)
         if ctrl is not None:
-            ctrl.update(k, drafted, committed, ~finished_before, t4 - t0)
+            ctrl.update(k, drafted, committed, ~finished_before, t4 - t0, lookup=lookup_pass)
         step += 1
 
     if streamer is not None:
@@ -776,6 +786,7 @@ def speculative_generate(
     stats.finish()
     stats.timings["plain_steps"] = plain_steps
     stats.timings["lookup_rows"] = stats.lookup_rows
+    stats.timings["lookup_passes"] = stats.lookup_passes
     stats.timings["cache_compactions"] = target.compactions
     stats.timings["cache_length"] = int(cache.get_seq_length())
     out_seq = out.sequences(pad_value).to(in_device)

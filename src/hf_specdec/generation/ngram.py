@@ -21,7 +21,7 @@ import torch
 
 from .proposals import Proposal
 
-__all__ = ["AGREE", "NGRAM_SIZES", "lookup_continuations", "merge_lookup"]
+__all__ = ["AGREE", "NGRAM_SIZES", "lookup_continuations", "lookup_proposal", "merge_lookup"]
 
 AGREE = 2  # leading draft tokens that must equal the copy's before a row switches to it
 NGRAM_SIZES = (3, 2)  # n-gram sizes looked up, longest first
@@ -66,6 +66,34 @@ def lookup_continuations(
             counts[b] = cont.numel()
             break
     return out.to(seq.device), counts.to(seq.device)
+
+
+def lookup_proposal(
+    seq: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    num_tokens: int,
+    vocab_size: int,
+    do_sample: bool,
+    active: torch.Tensor | None = None,
+    ngram_sizes: tuple[int, ...] | None = None,
+) -> Proposal | None:
+    """A chain of prompt-lookup copies alone (no drafter), for passes where drafting does not pay but copying may:
+    each row proposes its continuation (``lengths`` = its length, 0 for rows without a match or not ``active``).
+    ``None`` when no row has a match. When sampling, the copies are point masses (``q`` one-hot)."""
+    if num_tokens <= 0:
+        return None
+    cont, count = lookup_continuations(seq, starts, lengths, num_tokens, ngram_sizes or NGRAM_SIZES)
+    if active is not None:
+        count = count.masked_fill(~active.to(count.device), 0)
+    width = int(count.max())
+    if width == 0:
+        return None
+    tokens = cont[:, :width]
+    probs = None
+    if do_sample:
+        probs = torch.nn.functional.one_hot(tokens, vocab_size).to(torch.float32)
+    return Proposal(tokens=tokens, draft_probs=probs, lengths=count)
 
 
 def merge_lookup(

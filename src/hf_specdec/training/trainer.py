@@ -806,8 +806,9 @@ class DrafterTrainer:
                 raise ValueError(f"--resume: no checkpoint found in {args.output_dir}.")
             self.load_checkpoint(path)
         elif self.step == 0 and not self.is_peft:
-            self.unwrapped_drafter.init_from_target(self.target)
+            # Data first: a family's target initialisation may depend on it (e.g. the draft vocabulary's rows).
             self.unwrapped_drafter.init_from_data(self.token_counts())
+            self.unwrapped_drafter.init_from_target(self.target)
         if self.log_with:
             acc.init_trackers("hf_specdec", config={k: v for k, v in asdict(args).items() if v is not None})
 

@@ -124,3 +124,29 @@ def test_a_few_steps_lower_the_loss_and_touch_only_drafter_parameters():
     for k, v in target.state_dict().items():
         assert torch.equal(v, target_before[k]), k
     assert all(p.grad is None or p.grad.abs().sum() > 0 for p in drafter.parameters())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_init_from_target_starts_in_the_targets_output_space(arch):
+    """After init_from_data (a reduced draft vocabulary) and init_from_target, the drafter's output side is the
+    target's own: on the target's last-layer state, draft logits equal the target's logits of the draft vocabulary
+    (Gemma's norm scales by 1 + w, which the copy must follow)."""
+    target = make_target(arch, seed=3)
+    drafter = _drafter(target, draft_vocab_size=40)
+    counts = torch.arange(target.config.vocab_size, dtype=torch.float).flip(0) % 17  # an irregular vocabulary
+    drafter.init_from_data(counts)
+    ids = drafter.draft_token_ids
+    assert not torch.equal(ids, torch.arange(40))
+    ids_in, mask = ragged_batch(2, length=9)
+    norm = target.get_decoder().norm
+    seen = {}
+    norm.register_forward_hook(lambda module, args, output: seen.update(last=args[0]))  # the final norm's input
+    with torch.no_grad():
+        norm.weight.uniform_(-0.5, 1.5)  # a trained norm's scale, not the initial ones (or zeros for Gemma)
+        out = target(ids_in, attention_mask=mask)
+        last = seen["last"]
+        before = drafter.draft_logits(last)
+        drafter.init_from_target(target)
+        after = drafter.draft_logits(last)
+    torch.testing.assert_close(after, out.logits[..., ids], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(before, out.logits[..., ids], atol=1e-2)
