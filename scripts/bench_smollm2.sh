@@ -4,7 +4,7 @@
 # Spec-Bench, all six categories, 5 prompts each, fp32, on a 2-core CPU. Four `hf-specdec bench` runs, two at a time
 # with one torch thread each (each run compares against plain `generate` measured in the same run, interleaved):
 #   smollm2-bench      greedy, batch 1, 128 new tokens: plain, EAGLE-3 chain, EAGLE-2 tree, transformers' prompt lookup
-#   smollm2-bench-t07  sampling at T = 0.7, batch 1, 128 new tokens: plain, EAGLE-3 chain
+#   smollm2-bench-t07  sampling at T = 0.7, batch 1, 128 new tokens: plain, EAGLE-3 chain (adaptive and fixed K)
 #   smollm2-bench-b4   greedy, batch 4, 128 new tokens: plain, EAGLE-3 chain
 #   smollm2-bench-b8   greedy, batch 8, 384 new tokens (3 prompts per category): plain, EAGLE-3 chain
 # Outputs: model_cards/results/smollm2-bench*.{json,md,png}.
@@ -16,7 +16,7 @@ COMMON=(--target smollm2 --prompts spec-bench --threads 1 --out "$OUT")
 hf-specdec bench "${COMMON[@]}" --max-prompts 5 --max-new-tokens 128 --tree chain eagle2 --tree-depth 6 \
     --tree-top-k 4 --tree-total-tokens 16 --stem smollm2-bench &
 hf-specdec bench "${COMMON[@]}" --max-prompts 5 --max-new-tokens 128 --temperature 0.7 --no-peers \
-    --stem smollm2-bench-t07 &
+    --draft-length adaptive fixed --stem smollm2-bench-t07 &
 wait
 hf-specdec bench "${COMMON[@]}" --max-prompts 5 --max-new-tokens 128 --batch-size 4 --no-peers \
     --stem smollm2-bench-b4 &

@@ -53,6 +53,25 @@ def test_chooses_plain_steps_when_drafting_does_not_pay():
     assert set(choices) <= {0, 1}
 
 
+def test_probes_of_a_losing_arm_back_off_and_resume_when_the_best_changes():
+    ctrl = DraftLengthController(2, probe_every=4, max_probe_gap=32)
+    _feed(ctrl, 2, [0, 0], 0.30)
+    _feed(ctrl, 0, [0, 0], 0.10)
+    probes = []
+    for _ in range(200):
+        k = ctrl.choose(100)
+        if k:
+            probes.append(ctrl.passes)
+        _feed(ctrl, k, [0, 0], 0.10 + 0.1 * k)  # drafts are never accepted: every probe loses
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] == 32 and len(probes) < 14, probes  # 4, 8, 16, 32, 32, ...
+    # The text turns predictable: the next probe finds drafts accepted, the best changes, probes come often again.
+    for _ in range(120):
+        k = ctrl.choose(100)
+        _feed(ctrl, k, [k, k], 0.10 + 0.01 * k)
+    assert ctrl.best() >= 1 and ctrl._probe_gap <= 16  # drafting again, and looking around more often
+
+
 def test_chooses_long_drafts_when_they_are_accepted_and_cheap():
     ctrl = DraftLengthController(5)
     for _ in range(30):
@@ -183,9 +202,9 @@ def test_lookup_is_taken_instead_of_plain_steps_only_while_it_pays():
     ctrl.update(0, torch.tensor([4]), torch.tensor([1]), torch.tensor([True]), 1.5, lookup=True)
     assert ctrl.cost[0] == 1.0  # measured apart from plain steps
     assert ctrl.lookup_tokens == 1.0 and ctrl.lookup_cost == 1.5
-    # 1 token in 1.5 s loses to plain steps: refused, except every probe_every-th match.
-    answers = [ctrl.use_lookup() for _ in range(10)]
-    assert answers.count(True) == 2 and answers[3] and answers[8]
+    # 1 token in 1.5 s loses to plain steps: refused, except for probes at gaps that double (5, 10, 20, ...).
+    answers = [ctrl.use_lookup() for _ in range(40)]
+    assert [i + 2 for i, a in enumerate(answers) if a] == [5, 15, 35], answers  # match numbers 5, 5+10, 15+20
     for _ in range(20):
         ctrl.update(0, torch.tensor([4]), torch.tensor([4]), torch.tensor([True]), 1.5, lookup=True)
     assert ctrl.lookup_tokens > 3.5 and all(ctrl.use_lookup() for _ in range(10))

@@ -389,6 +389,8 @@ def run_demo(
         "speedup_bound": spec_rec["speedup_bound"],
         "verify_cost_ratio": spec_rec["verify_cost_ratio"],
         "predicted_speedup": spec_rec["predicted_speedup"],
+        "plain_step_share": spec_rec.get("plain_step_share"),
+        "lookup_pass_share": spec_rec.get("lookup_pass_share"),
         "num_draft_tokens": k,
         "num_prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
@@ -412,10 +414,17 @@ def run_demo(
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=1)
     verdict = "identical to" if summary["identical"] else "DIFFERENT FROM"
+    speed = summary["speedup"]
+    pace = f"{speed:.2f}x faster" if speed >= 1.005 else f"{speed:.2f}x the speed of plain generate"
     print(
-        f"\nspeculative decoding: {summary['speedup']:.2f}x faster, tau = {summary['mean_accepted_length']:.2f} "
+        f"\nspeculative decoding: {pace}, tau = {summary['mean_accepted_length']:.2f} "
         f"tokens per target pass, outputs {verdict} plain generate."
     )
+    if speed < 1.005 and summary.get("plain_step_share"):
+        print(
+            f"the drafter rarely pays on this machine: the adaptive draft length ran {100 * summary['plain_step_share']:.0f}% "
+            "of passes as plain steps (see README.md, 'Draft length')."
+        )
     print(f"wrote {path}" + (f" and {png}" if png else ""))
     return summary
 

@@ -17,8 +17,11 @@ large batch on a compute-bound device.
 * ``t(K)`` is the measured wall time of passes that drafted ``K`` tokens (exponential moving average). Pass times
   of draft lengths not yet tried are interpolated linearly between tried ones (extrapolated with the slope of the
   nearest two, or a 10 % per token prior when only one is known).
-* To learn, the controller tries ``K = 0`` once early (the plain-step cost), and every ``probe_every`` passes a draft
-  length next to the current best (hill climbing), so a length that was underestimated gets measured.
+* To learn, the controller tries ``K = 0`` once early (the plain-step cost), and then, now and then, a draft length
+  next to the current best (hill climbing), so a length that was underestimated gets measured. The first probe comes
+  after ``probe_every`` passes; while probes do not change the best choice, the gap between them doubles (up to
+  ``max_probe_gap`` passes), so a drafter that does not pay costs next to nothing, and it shrinks back to
+  ``probe_every`` as soon as the best choice changes.
 * The estimates are kept per drafter, device, batch size, decoding mode and tree policy (on the drafter object),
   so later ``generate`` calls start from what earlier ones learnt.
 
@@ -55,7 +58,8 @@ class DraftLengthController:
         tree: whether the proposal is a tree (then the arms are ``{0, k_max}``).
         decay: forgetting factor per pass for the acceptance counts and tokens-per-pass of trees.
         cost_smoothing: weight of a new measurement in a pass time's moving average.
-        probe_every: passes between two probes of a neighbouring draft length.
+        probe_every: passes before the first probe of a neighbouring draft length (and the gap after a change).
+        max_probe_gap: the longest gap between two probes.
     """
 
     def __init__(
@@ -65,6 +69,7 @@ class DraftLengthController:
         decay: float = 0.97,
         cost_smoothing: float = 0.3,
         probe_every: int = 12,
+        max_probe_gap: int = 192,
     ):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}.")
@@ -73,6 +78,10 @@ class DraftLengthController:
         self.decay = float(decay)
         self.smoothing = float(cost_smoothing)
         self.probe_every = int(probe_every)
+        self.max_probe_gap = max(int(max_probe_gap), self.probe_every)
+        self._probe_gap = self.probe_every
+        self._next_probe = self.probe_every
+        self._last_best: int | None = None
         self.reached = [0.0] * (self.k_max + 1)  # index d: rows that drafted token d after accepting d - 1
         self.accepted = [0.0] * (self.k_max + 1)
         self.tree_tokens: float | None = None  # tokens committed per row per tree pass (moving average)
@@ -83,6 +92,8 @@ class DraftLengthController:
         self.lookup_tokens: float | None = None  # tokens committed per row per lookup-only pass (moving average)
         self.lookup_cost: float | None = None  # seconds of a lookup-only pass (moving average)
         self._lookup_matches = 0
+        self._lookup_gap = self.probe_every
+        self._lookup_next = self.probe_every
 
     # ------------------------------------------------------------------ estimates
     def alphas(self) -> list[float]:
@@ -163,7 +174,13 @@ class DraftLengthController:
             choice = 0  # learn what a plain step costs
         else:
             choice = self.best(limit)
-            if n > 1 and n % self.probe_every == 0:
+            if choice != self._last_best:  # the estimates moved: look around again soon
+                self._last_best = choice
+                self._probe_gap = self.probe_every
+                self._next_probe = min(self._next_probe, n + self.probe_every)
+            if n > 1 and n >= self._next_probe:
+                self._probe_gap = min(2 * self._probe_gap, self.max_probe_gap)
+                self._next_probe = n + self._probe_gap
                 arms = [k for k in self.arms() if k <= limit]
                 i = arms.index(choice) if choice in arms else 0
                 j = min(max(i + self._probe_side, 0), len(arms) - 1)
@@ -177,14 +194,21 @@ class DraftLengthController:
     def use_lookup(self) -> bool:
         """Whether a pass for which :meth:`choose` gave ``0`` should verify prompt-lookup copies instead (asked only
         when some row has a match): yes while lookup passes commit more tokens per second than plain steps, when
-        either is not measured yet, and every ``probe_every``-th match (to notice that it started paying)."""
+        either is not measured yet, and now and then to notice that it started paying (after ``probe_every``
+        matches, then at gaps that double while it keeps losing, up to ``max_probe_gap``)."""
         self._lookup_matches += 1
         plain = self.cost.get(0)
         if self.lookup_cost is None or self.lookup_tokens is None or plain is None:
             return True
-        if self._lookup_matches % self.probe_every == 0:
+        if self.lookup_tokens / self.lookup_cost > 1.0 / plain:
+            self._lookup_gap = self.probe_every
+            self._lookup_next = self._lookup_matches + self.probe_every
             return True
-        return self.lookup_tokens / self.lookup_cost > 1.0 / plain
+        if self._lookup_matches >= self._lookup_next:
+            self._lookup_gap = min(2 * self._lookup_gap, self.max_probe_gap)
+            self._lookup_next = self._lookup_matches + self._lookup_gap
+            return True
+        return False
 
     def update(
         self,
