@@ -220,3 +220,10 @@ def test_asd_commands(tmp_path):
     tune = json.loads((tmp_path / "tune.json").read_text())
     assert len(tune["candidates"]) == 2 and tune["recommended"] is not None
     assert sorted(tune["dev_prompt_ids"] + tune["test_prompt_ids"]) == ["1", "2", "3", "4"]
+    # the audit: bench --split test runs exactly the prompts that asd-tune held out
+    rc = main(["bench", "--prompts", str(prompts), "--max-new-tokens", "4", "--out", str(out), "--warmup", "0",
+               "--no-peers", "--verifier", "asd", "--split", "test", "--stem", "audit"])  # fmt: skip
+    assert rc == 0
+    audit = json.loads((out / "audit.json").read_text())
+    assert "test split" in audit["config"]["prompts"]
+    assert {r["num_prompts"] for r in audit["records"] if r["category"] == "all"} == {len(tune["test_prompt_ids"])}

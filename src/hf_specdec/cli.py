@@ -225,6 +225,7 @@ def _bench_methods(args, target):
                             )
                         )
                 for verifier in args.verifier or []:
+                    # matched against the strict rows: the same draft length mode and lookup (the first given)
                     methods.append(
                         drafter_method(
                             drafter,
@@ -232,6 +233,8 @@ def _bench_methods(args, target):
                             verifier=verifier,
                             verifier_options=_verifier_options(args, verifier),
                             draft_options=draft_options,
+                            draft_length=(args.draft_length or [None])[0],
+                            lookup_tokens=(args.lookup_tokens or [None])[0] if chain else None,
                         )
                     )
     if not args.no_peers:
@@ -239,9 +242,14 @@ def _bench_methods(args, target):
         if assistant is None and shortcut is not None and shortcut.assistant and os.path.isdir(shortcut.assistant):
             assistant = shortcut.assistant
         if assistant:
-            from transformers import AutoModelForCausalLM
+            from .assistant import is_shared_embedding_assistant, load_shared_embedding_assistant
 
-            model = AutoModelForCausalLM.from_pretrained(assistant, dtype=target.dtype).to(target.device).eval()
+            if is_shared_embedding_assistant(assistant):
+                model = load_shared_embedding_assistant(assistant, target)
+            else:
+                from transformers import AutoModelForCausalLM
+
+                model = AutoModelForCausalLM.from_pretrained(assistant, dtype=target.dtype).to(target.device).eval()
             methods.append(assisted_method(model, num_assistant_tokens=args.assistant_tokens))
         if args.prompt_lookup > 0:
             methods.append(prompt_lookup_method(args.prompt_lookup))
@@ -355,6 +363,15 @@ def _bench(args) -> int:
     if args.drafter is None and shortcut is not None:
         demo_drafter_path(shortcut)  # a missing packaged drafter fails before the target is loaded
     prompts, scorer, source = _prompts_and_scorer(args, shortcut)
+    if args.split != "all":
+        from .bench.asd_tune import split_prompts
+
+        try:
+            dev, test = split_prompts(prompts, args.dev_fraction)
+        except ValueError as e:
+            raise SystemExit(f"hf-specdec bench --split {args.split}: {e}") from None
+        prompts = dev if args.split == "dev" else test
+        source = f"{source} ({args.split} split, dev fraction {args.dev_fraction})"
     target, tokenizer = _bench_target(args)
     methods = _bench_methods(args, target)
     report = run_benchmark(
@@ -397,6 +414,11 @@ def _bench(args) -> int:
 
 def _asd_tune(args) -> int:
     import json
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from .auto import AutoModelForDrafting
     from .bench.asd_tune import split_prompts, tune_asd
@@ -623,6 +645,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--categories", nargs="+", default=None)
     p.add_argument("--max-prompts", type=int, default=None, help="at most N prompts per category (or task items)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="keep only the last N tokens of a prompt")
+    p.add_argument(
+        "--split",
+        choices=["all", "dev", "test"],
+        default="all",
+        help="run on the dev or test side of asd-tune's split of the same prompts (its --dev-fraction): the ASD audit "
+        "freezes settings with asd-tune on dev and measures them here on test",
+    )
+    p.add_argument("--dev-fraction", type=float, default=0.5, help="with --split: asd-tune's dev fraction")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="0 = greedy; several allowed")
     p.add_argument("--top-p", type=float, default=None)
@@ -656,6 +686,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-accuracy-drop", type=float, default=None, help="with --task: max task-accuracy drop vs strict"
     )
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--out", default="asd_tune.json")

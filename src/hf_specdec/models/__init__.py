@@ -1,8 +1,28 @@
 """Drafter families, one folder each. Importing this module registers every family (each folder's ``__init__``
 makes its one ``register_drafter`` call and registers its checkpoint layouts)."""
 
-from . import eagle3
+from . import blockwise, eagle1, eagle3, hydra, medusa
+from .blockwise import BlockwiseConfig, BlockwiseForDrafting
+from .eagle1 import Eagle1Config, Eagle1ForDrafting
 from .eagle3 import Eagle3Config, Eagle3ForDrafting
+from .hydra import HydraConfig, HydraForDrafting
+from .medusa import MedusaConfig, MedusaForDrafting
 
 # Public names re-exported by ``hf_specdec`` (it never names a family itself).
-__all__ = ["eagle3", "Eagle3Config", "Eagle3ForDrafting"]
+__all__ = [
+    "blockwise",
+    "eagle1",
+    "eagle3",
+    "hydra",
+    "medusa",
+    "BlockwiseConfig",
+    "BlockwiseForDrafting",
+    "Eagle1Config",
+    "Eagle1ForDrafting",
+    "Eagle3Config",
+    "Eagle3ForDrafting",
+    "HydraConfig",
+    "HydraForDrafting",
+    "MedusaConfig",
+    "MedusaForDrafting",
+]

@@ -8,6 +8,7 @@ from .policies import (
     TreeExpansion,
     TreePolicy,
     make_tree_policy,
+    register_static_tree,
     static_tree_from_accuracies,
 )
 from .structure import (
@@ -28,6 +29,7 @@ __all__ = [
     "TreeExpansion",
     "TreePolicy",
     "make_tree_policy",
+    "register_static_tree",
     "static_tree_from_accuracies",
     "ancestor_matrix",
     "as_batched_parents",

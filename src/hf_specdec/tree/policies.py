@@ -39,6 +39,7 @@ __all__ = [
     "StaticTree",
     "DynamicTree",
     "STATIC_TREES",
+    "register_static_tree",
     "TREE_OPTIONS",
     "make_tree_policy",
     "static_tree_from_accuracies",
@@ -348,6 +349,15 @@ def static_tree_from_accuracies(accuracy, num_nodes: int) -> list[tuple[int, ...
                 if value > 0 and math.isfinite(value):
                     heapq.heappush(heap, (-value, (*path, r)))
     return chosen
+
+
+def register_static_tree(name: str, paths) -> None:
+    """Adds a named static tree (paths of child ranks, checked by :class:`StaticTree`), e.g. a family's calibrated
+    default tree, so that ``generate(tree=name)`` finds it."""
+    tree = StaticTree(paths)  # validates
+    if name in STATIC_TREES and STATIC_TREES[name] != tree.paths:
+        raise ValueError(f"A different static tree named {name!r} is already registered.")
+    STATIC_TREES[name] = tree.paths
 
 
 # ``generate`` options of tree drafting (routed by the generate hook, checked here).

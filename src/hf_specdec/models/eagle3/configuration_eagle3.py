@@ -6,8 +6,8 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from ...configuration_utils import DrafterConfig
-from ...layers import normalize_rope_scaling, rope_refusal, rope_scaling_from_config
+from ...configuration_utils import DrafterConfig, decoder_layer_defaults, validate_decoder_layer
+from ...layers import normalize_rope_scaling
 
 __all__ = ["Eagle3Config"]
 
@@ -88,53 +88,15 @@ class Eagle3Config(DrafterConfig):
 
     @classmethod
     def architecture_defaults(cls, text_config: PretrainedConfig) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
-            value = getattr(text_config, key, None)
-            if value is not None:
-                out[key] = int(value)
-        eps = getattr(text_config, "rms_norm_eps", None)
-        if eps is not None:
-            out["rms_norm_eps"] = float(eps)
-        # The draft layer sits at the target's positions, so it rotates as the target does (scaling included).
-        try:
-            out["rope_theta"], out["rope_scaling_parameters"] = rope_scaling_from_config(text_config)
-        except ValueError as err:  # refused in __post_init__ unless the caller passes its own RoPE
-            out["rope_scaling_parameters"] = rope_refusal(err)
-        max_pos = getattr(text_config, "max_position_embeddings", None)
-        if max_pos is not None:
-            out["max_position_embeddings"] = int(max_pos)
-        act = getattr(text_config, "hidden_act", None)
-        if act in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
-            out["hidden_act"] = act
-        return out
+        return decoder_layer_defaults(text_config)
 
     def validate_drafter(self, require_complete: bool = False) -> None:
         super().validate_drafter(require_complete)
         if not require_complete and not self.is_bound_to_target_facts:
             return
+        validate_decoder_layer(self, "the EAGLE-3 draft layer consumes the target's token embeddings")
         name = type(self).__name__
-        for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}.{key} must be a positive integer, got {value!r}.")
-        if self.hidden_size != self.target_hidden_size:
-            raise ValueError(
-                f"{name}.hidden_size ({self.hidden_size}) must equal target_hidden_size ({self.target_hidden_size}): "
-                "the EAGLE-3 draft layer consumes the target's token embeddings."
-            )
-        if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
-                f"{name}.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})."
-            )
-        if self.head_dim % 2 != 0:
-            raise ValueError(f"{name}.head_dim ({self.head_dim}) must be even for rotary embeddings.")
         if self.target_num_hidden_layers is None and self.target_layer_ids is None:
             pass  # resolved from the target by bind_target
         elif not self.target_layer_ids:
             raise ValueError(f"{name}.target_layer_ids must list the target hidden states to fuse.")
-        if self.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
-            raise ValueError(
-                f"{name}.hidden_act must be one of silu, gelu, gelu_pytorch_tanh, relu; got {self.hidden_act!r}."
-            )

@@ -1,0 +1,166 @@
+"""Feature-level autoregressive drafting: the decoding shared by the families that feed their own features back.
+
+A draft decoder layer reads, for each slot, the embedding of the next token and a feature: the target's (fused) hidden
+state for verified slots, the layer's own previous output for drafted ones. The family provides:
+
+* ``fuse_target_features(features)``: the target states it reads -> ``(batch, seq, hidden)`` features;
+* ``draft_layer(embeds, hidden, cos, sin, cache, valid, attn_mask=None)``: the layer over a
+  :class:`~hf_specdec.layers.SlotKVCache`;
+* ``draft_logits(out)``: draft-vocabulary logits of layer outputs; ``rotary_emb``: its rotary embedding;
+
+and mixes in :class:`~hf_specdec.modeling_utils.ReducedVocabularyMixin`. This mixin gives the draft state, ``observe``,
+chain ``propose`` (with an optional confidence stop) and tree drafting (``tree_start`` / ``tree_expand``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .generation.proposals import DraftInputs, Proposal, TokenSelector
+from .layers import SlotKVCache
+
+__all__ = ["FeatureDraftState", "FeatureAutoregressiveMixin"]
+
+
+@dataclass
+class FeatureDraftState:
+    """Per-``generate`` drafter state: the draft KV cache and the latest verified output per row."""
+
+    cache: SlotKVCache
+    committed_slots: int = 0
+    last_hidden: torch.Tensor | None = None  # (batch, hidden)
+    last_logits: torch.Tensor | None = None  # (batch, draft_vocab)
+    last_position: torch.Tensor | None = None  # (batch,)
+    tree_hidden: torch.Tensor | None = None  # (batch, expanded nodes, hidden) while a tree is being drafted
+    confidence_threshold: float | None = None  # stop a row's chain when the draft's top probability falls below
+
+
+class FeatureAutoregressiveMixin:
+    """Decoding of feature-level autoregressive drafters (see the module docstring)."""
+
+    proposal_kind = "chain"
+    supports_tree_drafting = True
+    draft_options = {"draft_confidence_threshold": None}
+
+    def _step(self, embeds, hidden, position_ids, valid, cache: SlotKVCache):
+        cos, sin = self.rotary_emb(position_ids, hidden.dtype)
+        out = self.draft_layer(embeds, hidden, cos, sin, cache, valid)
+        return out, self.draft_logits(out)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # proposal interface
+    # ------------------------------------------------------------------------------------------------------------
+    def init_draft_state(
+        self, batch_size: int, max_length: int, draft_confidence_threshold: float | None = None
+    ) -> FeatureDraftState:
+        if draft_confidence_threshold is not None and not 0.0 <= float(draft_confidence_threshold) <= 1.0:
+            raise ValueError(
+                f"draft_confidence_threshold must be a probability in [0, 1], got {draft_confidence_threshold!r}."
+            )
+        return FeatureDraftState(cache=SlotKVCache(), confidence_threshold=draft_confidence_threshold)
+
+    def observe(self, state: FeatureDraftState, inputs: DraftInputs) -> None:
+        # Drop the speculative slots of the last proposal; the verified slots below replace them.
+        state.cache.crop(state.committed_slots)
+        feats = self.select_target_features(inputs.hidden_states)
+        hidden = self.fuse_target_features(feats)
+        embeds = self.embed_target_tokens(inputs.next_token_ids)
+        valid = inputs.valid.to(self.device)
+        positions = inputs.position_ids.to(self.device)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        out = self.draft_layer(embeds, hidden, cos, sin, state.cache, valid)
+        state.cache.compact()  # batched rows leave dead slots (padding, rejected tokens): drop them now and then
+        state.committed_slots = state.cache.length
+        # Latest verified slot of each row: only its logits are needed (the first draft token).
+        slot = torch.arange(valid.shape[1], device=valid.device)
+        last = torch.where(valid, slot, -1).max(dim=1).values.clamp(min=0)
+        rows = torch.arange(valid.shape[0], device=valid.device)
+        state.last_hidden = out[rows, last]
+        state.last_logits = self.draft_logits(state.last_hidden)
+        state.last_position = positions[rows, last]
+
+    def propose(self, state: FeatureDraftState, num_tokens: int, select: TokenSelector) -> Proposal:
+        """Drafts a chain; with ``draft_confidence_threshold`` (a ``generate`` option) a row stops before the first
+        depth whose draft distribution has a top probability below the threshold, so rows propose different lengths.
+
+        The stop is decided from the distribution *before* its token is drawn, so it never depends on the drawn
+        token and lossless sampling stays exact."""
+        tokens, probs = [], []
+        logits, hidden = state.last_logits, state.last_hidden
+        bsz = hidden.shape[0]
+        ones = torch.ones(bsz, 1, dtype=torch.bool, device=hidden.device)
+        reduced = self.config.draft_vocab_size != self.config.target_vocab_size
+        vocab_ids = self.draft_token_ids if reduced else None
+        threshold = state.confidence_threshold
+        lengths = torch.zeros(bsz, dtype=torch.long, device=hidden.device)
+        alive = torch.ones(bsz, dtype=torch.bool, device=hidden.device)
+        for depth in range(num_tokens):
+            if threshold is not None:
+                alive &= torch.softmax(logits.float(), dim=-1).amax(dim=-1) >= threshold
+                if depth > 0 and not bool(alive.any()):
+                    break
+                lengths += alive.long()
+            tok, q = select(logits.float(), depth, vocab_ids)
+            tokens.append(tok)
+            probs.append(q)
+            if depth == num_tokens - 1:
+                break
+            pos = (state.last_position + 1 + depth)[:, None]
+            out, step_logits = self._step(
+                self.embed_target_tokens(tok[:, None]), hidden[:, None], pos, ones, state.cache
+            )
+            hidden, logits = out[:, 0], step_logits[:, 0]
+        draft_probs = torch.stack(probs, dim=1) if probs and probs[0] is not None else None
+        return Proposal(
+            tokens=torch.stack(tokens, dim=1),
+            draft_probs=draft_probs,
+            kind="chain",
+            lengths=lengths if threshold is not None else None,
+        )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # tree drafting (EAGLE-2 dynamic trees and static trees; see hf_specdec.tree)
+    # ------------------------------------------------------------------------------------------------------------
+    def tree_start(self, state: FeatureDraftState):
+        """Root of a tree proposal: the draft distribution after the last verified token."""
+        state.cache.crop(state.committed_slots)  # drop the slots of an earlier tree or chain proposal
+        state.tree_hidden = None
+        reduced = self.config.draft_vocab_size != self.config.target_vocab_size
+        return state.last_logits, (self.draft_token_ids if reduced else None)
+
+    def tree_expand(self, state: FeatureDraftState, expansion) -> torch.Tensor:
+        """One draft-layer step over ``M`` tree nodes of one depth: each reads its parent's draft hidden state (the
+        last verified state for children of the root) and its own token, at position ``last + depth``, and attends
+        to the verified slots plus the slots of its expanded ancestors. Returns ``(batch, M, draft_vocab)``."""
+        bsz, m = expansion.tokens.shape
+        dev = state.last_hidden.device
+        parent = expansion.parent.to(dev)
+        if state.tree_hidden is None:
+            parent_hidden = state.last_hidden[:, None].expand(bsz, m, -1)
+        else:
+            idx = parent.clamp_min(0)[..., None].expand(-1, -1, state.tree_hidden.shape[-1])
+            parent_hidden = torch.where(
+                (parent >= 0)[..., None], state.tree_hidden.gather(1, idx), state.last_hidden[:, None]
+            )
+        committed = state.committed_slots
+        expanded = 0 if state.tree_hidden is None else state.tree_hidden.shape[1]
+        valid_prev = (
+            state.cache.valid[:, :committed] if committed else torch.zeros(bsz, 0, dtype=torch.bool, device=dev)
+        )
+        mask = torch.cat(
+            [
+                valid_prev[:, None].expand(bsz, m, committed),
+                expansion.ancestors.to(dev)[:, :, :expanded],
+                torch.eye(m, dtype=torch.bool, device=dev)[None].expand(bsz, m, m),
+            ],
+            dim=2,
+        )
+        pos = (state.last_position + expansion.depth)[:, None].expand(bsz, m)
+        cos, sin = self.rotary_emb(pos, parent_hidden.dtype)
+        embeds = self.embed_target_tokens(expansion.tokens)
+        ones = torch.ones(bsz, m, dtype=torch.bool, device=dev)
+        out = self.draft_layer(embeds, parent_hidden, cos, sin, state.cache, ones, attn_mask=mask)
+        state.tree_hidden = out if state.tree_hidden is None else torch.cat([state.tree_hidden, out], dim=1)
+        return self.draft_logits(out).float()

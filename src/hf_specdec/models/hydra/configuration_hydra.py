@@ -1,0 +1,85 @@
+"""Configuration of the Hydra drafter."""
+
+from __future__ import annotations
+
+from ...configuration_utils import DrafterConfig
+
+__all__ = ["HydraConfig"]
+
+
+class HydraConfig(DrafterConfig):
+    r"""Configuration of :class:`HydraForDrafting` (Hydra, Ankner et al. 2024, arXiv 2402.05109).
+
+    Sequentially dependent heads on the target's final hidden state ``h_t``: head ``k`` (1-based) reads
+    ``[h_t; E(x_{t+1}); ...; E(x_{t+k})]``, the target's next token ``x_{t+1}`` and the ``k - 1`` draft tokens on the
+    path so far (``E``: the target's token embeddings, borrowed), and predicts ``x_{t+k+1}``. Each head is a first
+    block ``P x + SiLU(W x + b)`` from ``(k + 1) * hidden`` to ``hidden`` (``W`` zero-initialised, ``P`` a linear
+    residual projection), ``num_layers - 1`` residual blocks ``x + SiLU(W x + b)`` and its own vocabulary projection
+    (initialised from the target's LM head). Chains draft head by head; trees run head ``d + 1`` on every node of
+    depth ``d``.
+
+    Args:
+        num_heads (`int`, defaults to 4): heads, hence the longest chain or deepest tree.
+        num_layers (`int`, defaults to 1): blocks per head (Hydra++: 4).
+        hidden_size (`int`): must equal ``target_hidden_size``.
+        loss_labels (`str`, defaults to ``"soft"``): ``"soft"`` is Hydra++'s teacher loss (the target's
+            distribution); ``"hard"`` the data's tokens.
+        loss_decay (`float`, defaults to 1.0): head ``k`` weighs ``loss_decay ** (k - 1)``.
+        dropout (`float`, defaults to 0.0): dropout on the blocks' outputs in training (Hydra++: 0.2).
+        draft_vocab_size (`int`, *optional*): a reduced vocabulary for the heads' projections (``init_from_data``).
+        initializer_range (`float`): std of the residual projections and vocabulary projections before
+            ``init_from_target``.
+        num_draft_tokens (`int`, *optional*): default chain length, at most ``num_heads`` (default ``num_heads``).
+    """
+
+    model_type = "hydra_drafter"
+
+    num_heads: int = 4
+    num_layers: int = 1
+    hidden_size: int | None = None
+    loss_labels: str = "soft"
+    loss_decay: float = 1.0
+    dropout: float = 0.0
+    initializer_range: float = 0.02
+    num_draft_tokens: int | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.hidden_size is None:
+            self.hidden_size = self.target_hidden_size
+        if self.num_draft_tokens is None:
+            self.num_draft_tokens = self.num_heads
+        if self.target_layer_ids is None and self.target_num_hidden_layers is not None:
+            self.target_layer_ids = self.default_target_layer_ids(self.target_num_hidden_layers)
+        super().__post_init__(**kwargs)
+
+    @classmethod
+    def default_target_layer_ids(cls, num_layers: int) -> list[int]:
+        return [num_layers]
+
+    def validate_drafter(self, require_complete: bool = False) -> None:
+        super().validate_drafter(require_complete)
+        name = type(self).__name__
+        for key in ("num_heads", "num_layers"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}.{key} must be a positive integer, got {value!r}.")
+        if self.num_draft_tokens > self.num_heads:
+            raise ValueError(
+                f"{name}.num_draft_tokens ({self.num_draft_tokens}) must be at most num_heads ({self.num_heads}): "
+                "each head drafts one token."
+            )
+        if self.loss_labels not in ("soft", "hard"):
+            raise ValueError(f"{name}.loss_labels must be 'soft' or 'hard', got {self.loss_labels!r}.")
+        if not 0.0 < float(self.loss_decay) <= 1.0:
+            raise ValueError(f"{name}.loss_decay must be in (0, 1], got {self.loss_decay!r}.")
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ValueError(f"{name}.dropout must be in [0, 1), got {self.dropout!r}.")
+        if not require_complete and not self.is_bound_to_target_facts:
+            return
+        if self.hidden_size != self.target_hidden_size:
+            raise ValueError(
+                f"{name}.hidden_size ({self.hidden_size}) must equal target_hidden_size ({self.target_hidden_size}): "
+                "Hydra heads read the target's hidden state and token embeddings."
+            )
+        if self.target_layer_ids is not None and len(self.target_layer_ids) != 1:
+            raise ValueError(f"{name}.target_layer_ids must name one target state, got {self.target_layer_ids}.")

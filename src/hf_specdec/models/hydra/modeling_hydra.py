@@ -1,0 +1,218 @@
+"""Hydra drafter (Ankner et al. 2024, arXiv 2402.05109): sequentially dependent draft heads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...generation.proposals import DraftInputs, Proposal, TokenSelector
+from ...modeling_utils import DrafterPreTrainedModel, ReducedVocabularyMixin, depthwise_distillation_loss
+from .configuration_hydra import HydraConfig
+
+__all__ = ["HydraForDrafting", "HydraHead", "HydraDraftState"]
+
+
+class HydraHead(nn.Module):
+    """Head ``k``: ``P x + SiLU(W x + b)`` on ``x = [h; E(x_{t+1}); ...; E(x_{t+k})]``, then residual blocks and
+    the vocabulary projection."""
+
+    def __init__(self, in_features: int, hidden_size: int, num_layers: int, vocab_size: int, dropout: float):
+        super().__init__()
+        self.proj = nn.Linear(in_features, hidden_size, bias=False)  # the linear residual path
+        self.first = nn.Linear(in_features, hidden_size)
+        self.first.hydra_zero_init = True
+        self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_layers - 1))
+        for block in self.blocks:
+            block.hydra_zero_init = True
+        self.act = nn.SiLU()
+        self.dropout = nn.Dropout(dropout)
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x) + self.dropout(self.act(self.first(x)))
+        for block in self.blocks:
+            y = y + self.dropout(self.act(block(y)))
+        return self.lm_head(y)
+
+
+@dataclass
+class HydraDraftState:
+    last_hidden: torch.Tensor | None = None  # (batch, hidden): the target state at the last verified position
+    last_token: torch.Tensor | None = None  # (batch,): the token that follows it (committed by the target)
+    root_path: torch.Tensor | None = None  # tree drafting: (batch, 1, hidden) embedding of last_token
+    level_inputs: torch.Tensor | None = None  # tree drafting: path embeddings of the last expanded level
+    level_offset: int = 0  # index of that level's first node in expansion order
+    expanded: int = 0  # nodes expanded so far in this tree
+
+
+class HydraForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
+    """Hydra: draft head ``k`` reads the target's state and the embeddings of the tokens on the path.
+
+    Example:
+        >>> drafter = AutoModelForDrafting.from_config(HydraConfig.for_target(target.config))
+        >>> out = target.generate(**inputs, assistant_model=drafter, tree="medusa-63")
+    """
+
+    config_class = HydraConfig
+    proposal_kind = "chain"
+    requires_target_hidden_states = True
+    borrows_target_embeddings = True
+    supports_tree_drafting = True
+    max_draft_depth_source = "num_heads"
+    lora_target_modules = ("proj", "first")
+    loss_kwargs = ("decay",)
+    _no_split_modules = ["HydraHead"]
+
+    def __init__(self, config: HydraConfig):
+        super().__init__(config)
+        d = config.hidden_size
+        self.heads = nn.ModuleList(
+            HydraHead((k + 2) * d, d, config.num_layers, config.draft_vocab_size, config.dropout)
+            for k in range(config.num_heads)
+        )
+        self.register_vocabulary_buffers(config)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if not isinstance(module, nn.Linear):
+            return
+        if getattr(module, "hydra_zero_init", False):
+            nn.init.zeros_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        else:
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.heads)
+
+    @property
+    def max_draft_depth(self) -> int:
+        return self.num_heads
+
+    @torch.no_grad()
+    def init_from_target(self, target: nn.Module) -> None:
+        """Each head's vocabulary projection starts as the target's LM head (its draft-vocabulary rows), and its
+        residual projection as the identity on ``h_t`` (zero on the token embeddings), so a fresh head proposes the
+        target's own next-token choice for ``h_t``."""
+        self.copy_target_head_rows(target, [head.lm_head for head in self.heads])
+        d = self.config.hidden_size
+        for head in self.heads:
+            head.proj.weight.zero_()
+            head.proj.weight[:, :d].copy_(torch.eye(d))
+
+    def head_logits(self, k: int, hidden: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """Head ``k`` (0-based) on ``hidden`` ``(..., d)`` and the ``k + 1`` path embeddings ``(..., k + 1, d)``."""
+        x = torch.cat([hidden, token_embeds.flatten(-2)], dim=-1)
+        return self.heads[k](x.to(self.dtype))
+
+    def forward(self, target_hidden_states: torch.Tensor, input_ids: torch.LongTensor, steps: int | None = None):
+        """Teacher-forced logits over a sequence: a list over heads ``k < steps`` of ``(batch, seq, draft_vocab)``
+        where anchor ``t`` (state at ``t``) reads the true tokens ``t + 1 .. t + 1 + k`` and predicts ``t + 2 + k``
+        (anchors whose tokens run past the sequence read the last token and must be masked by the caller)."""
+        steps = self.num_heads if steps is None else min(int(steps), self.num_heads)
+        hidden = target_hidden_states.to(device=self.device, dtype=self.dtype)
+        embeds = self.embed_target_tokens(input_ids)
+        bsz, t, d = embeds.shape
+        shifted = []
+        outs = []
+        for k in range(steps):
+            s = min(1 + k, t)  # the token at t + 1 + k, shifted left and padded with the last token
+            shifted.append(torch.cat([embeds[:, s:], embeds[:, -1:].expand(bsz, s, d)], dim=1))
+            outs.append(self.head_logits(k, hidden, torch.stack(shifted, dim=-2)))
+        return outs
+
+    # -- decoding ----------------------------------------------------------------------------------------------------
+    def init_draft_state(self, batch_size: int, max_length: int) -> HydraDraftState:
+        return HydraDraftState()
+
+    def observe(self, state: HydraDraftState, inputs: DraftInputs) -> None:
+        (feats,) = self.select_target_features(inputs.hidden_states)
+        valid = inputs.valid.to(feats.device)
+        slot = torch.arange(valid.shape[1], device=valid.device)
+        last = torch.where(valid, slot, -1).max(dim=1).values
+        rows = torch.arange(valid.shape[0], device=valid.device)
+        hidden = feats[rows, last.clamp(min=0)]
+        token = inputs.next_token_ids.to(feats.device)[rows, last.clamp(min=0)]
+        if state.last_hidden is not None:  # a row without a verified slot here (finished) keeps its state
+            keep = last < 0
+            hidden = torch.where(keep[:, None], state.last_hidden, hidden)
+            token = torch.where(keep, state.last_token, token)
+        state.last_hidden, state.last_token = hidden, token
+
+    def propose(self, state: HydraDraftState, num_tokens: int, select: TokenSelector) -> Proposal:
+        vocab_ids = self.reduced_vocab_ids()
+        path = [self.embed_target_tokens(state.last_token)]
+        tokens, probs = [], []
+        for depth in range(min(int(num_tokens), self.num_heads)):
+            logits = self.head_logits(depth, state.last_hidden, torch.stack(path, dim=-2)).float()
+            tok, q = select(logits, depth, vocab_ids)
+            tokens.append(tok)
+            probs.append(q)
+            path.append(self.embed_target_tokens(tok))
+        draft_probs = torch.stack(probs, dim=1) if probs[0] is not None else None
+        return Proposal(tokens=torch.stack(tokens, dim=1), draft_probs=draft_probs, kind="chain")
+
+    def tree_start(self, state: HydraDraftState):
+        root = self.embed_target_tokens(state.last_token)[:, None]  # (B, 1, d)
+        state.level_inputs, state.level_offset, state.expanded = None, 0, 0
+        state.root_path = root
+        return self.head_logits(0, state.last_hidden, root).float(), self.reduced_vocab_ids()
+
+    def tree_expand(self, state: HydraDraftState, expansion) -> torch.Tensor:
+        """Head ``d`` (0-based) on every node of depth ``d``: its path's embeddings after the root's."""
+        depth = int(expansion.depth)
+        if depth >= self.num_heads:
+            raise ValueError(
+                f"{type(self).__name__} has {self.num_heads} heads, so its trees are at most {self.num_heads} deep; "
+                f"this tree expands nodes at depth {depth}. Use a shallower tree (tree_depth <= {self.num_heads})."
+            )
+        bsz, m = expansion.tokens.shape
+        parent = expansion.parent.to(state.last_hidden.device)
+        if depth == 1:
+            parent_paths = state.root_path[:, None].expand(bsz, m, -1, -1)  # (B, M, 1, d)
+        else:
+            local = (parent - state.level_offset).clamp(min=0)
+            if bool((parent < state.level_offset).any()):
+                raise ValueError("Hydra trees expand depth by depth: a node's parent must be in the previous level.")
+            prev = state.level_inputs  # (B, M_prev, depth, d)
+            idx = local[:, :, None, None].expand(-1, -1, prev.shape[2], prev.shape[3])
+            parent_paths = prev.gather(1, idx)
+        paths = torch.cat([parent_paths, self.embed_target_tokens(expansion.tokens)[:, :, None]], dim=2)
+        hidden = state.last_hidden[:, None].expand(bsz, m, -1)
+        logits = self.head_logits(depth, hidden, paths).float()
+        state.level_offset, state.level_inputs = state.expanded, paths
+        state.expanded += m
+        return logits
+
+    # -- training ----------------------------------------------------------------------------------------------------
+    def compute_loss(self, batch, features, target_head=None, **loss_kwargs):
+        """``sum_k decay^(k-1) CE_k`` over the teacher-forced heads, labels per ``config.loss_labels``."""
+        unknown = sorted(set(loss_kwargs) - set(self.loss_kwargs))
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.compute_loss got unknown loss kwargs {unknown}.")
+        if target_head is None:
+            raise ValueError("HydraForDrafting.compute_loss needs the target's LM head for its labels.")
+        cfg = self.config
+        decay = float(loss_kwargs.get("decay") or cfg.loss_decay)
+        loss_mask = batch["loss_mask"].bool()
+        attn = batch.get("attention_mask")
+        if attn is not None:
+            loss_mask = loss_mask & attn.bool()
+        loss_mask = loss_mask.to(self.device)
+        reduced = self.reduced_vocabulary
+        soft = features.soft_labels(target_head, self.draft_token_ids if reduced else None)
+        in_vocab = self.t2d[soft.full_argmax.to(self.device)] if reduced else torch.ones_like(loss_mask)
+        hard = None
+        if cfg.loss_labels == "hard":
+            ids = batch["input_ids"].to(self.device)
+            index = torch.full((cfg.target_vocab_size,), -1, dtype=torch.long, device=self.device)
+            index[self.draft_token_ids] = torch.arange(cfg.draft_vocab_size, device=self.device)
+            hard = index[ids]
+        (hidden,) = features.hidden_states
+        outs = self(hidden, batch["input_ids"].to(self.device))
+        weights = [decay**j for j in range(len(outs))]
+        return depthwise_distillation_loss(outs, soft, loss_mask, in_vocab, weights, self.num_heads, hard_targets=hard)

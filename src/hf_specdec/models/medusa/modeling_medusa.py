@@ -1,0 +1,102 @@
+"""Medusa-1 drafter (Cai et al. 2024, arXiv 2401.10774), written for hf_specdec's proposal interface."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...heads import HeadsDraftState, ParallelHeadsMixin
+from ...modeling_utils import DrafterPreTrainedModel, ReducedVocabularyMixin
+from .configuration_medusa import MedusaConfig
+
+__all__ = ["MedusaForDrafting", "MedusaResBlock", "MedusaHead"]
+
+
+class MedusaResBlock(nn.Module):
+    """``x + SiLU(W x + b)``; ``W`` starts at zero (Cai et al.), so a fresh block only adds ``SiLU(b)`` to ``h_t``."""
+
+    def __init__(self, hidden_size: int, bias: bool = True):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size, bias=bias)
+        self.linear.medusa_zero_init = True  # read by MedusaForDrafting._init_weights
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(x))
+
+
+class MedusaHead(nn.Module):
+    def __init__(self, hidden_size: int, num_layers: int, vocab_size: int, bias: bool = True):
+        super().__init__()
+        self.blocks = nn.ModuleList(MedusaResBlock(hidden_size, bias) for _ in range(num_layers))
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(x)
+
+
+class MedusaForDrafting(ParallelHeadsMixin, ReducedVocabularyMixin, DrafterPreTrainedModel):
+    """Medusa-1: ``num_heads`` residual heads on the target's final hidden state, one forward per pass.
+
+    Example:
+        >>> drafter = AutoModelForDrafting.from_config(MedusaConfig.for_target(target.config))
+        >>> out = target.generate(**inputs, assistant_model=drafter, tree="medusa-63")
+    """
+
+    config_class = MedusaConfig
+    lora_target_modules = ("linear",)
+    loss_kwargs = ("decay",)
+    _no_split_modules = ["MedusaHead"]
+
+    def __init__(self, config: MedusaConfig):
+        super().__init__(config)
+        self.heads = nn.ModuleList(
+            MedusaHead(config.hidden_size, config.num_layers, config.draft_vocab_size, config.residual_bias)
+            for _ in range(config.num_heads)
+        )
+        self.register_vocabulary_buffers(config)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # transformers applies this to every leaf module; the blocks' linears are marked by MedusaResBlock.
+        if not isinstance(module, nn.Linear):
+            return
+        if getattr(module, "medusa_zero_init", False):
+            nn.init.zeros_(module.weight)  # the paper's zero init: a fresh head starts near the target's LM head
+            if module.bias is not None:
+                bound = module.in_features**-0.5
+                nn.init.uniform_(module.bias, -bound, bound)  # nn.Linear's default bias init
+        else:
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.heads)
+
+    def heads_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.to(device=self.device, dtype=self.dtype)
+        return torch.stack([head(hidden) for head in self.heads], dim=-2)
+
+    def forward(self, target_hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        """``(batch, seq, hidden)`` target final hidden states -> ``(batch, seq, num_heads, draft_vocab)`` logits."""
+        return self.heads_forward(target_hidden_states)
+
+    @torch.no_grad()
+    def init_from_target(self, target: nn.Module) -> None:
+        """Every head's projection starts as the target's LM head (its rows of the draft vocabulary)."""
+        self.copy_target_head_rows(target, [head.lm_head for head in self.heads])
+
+    def compute_loss(self, batch, features, target_head=None, **loss_kwargs):
+        """``sum_k decay^(k-1) CE_k`` over the heads (``decay``: ``config.loss_decay`` unless given), labels per
+        ``config.loss_labels``; metrics per head and the simulated walk of a ``num_heads`` chain."""
+        unknown = sorted(set(loss_kwargs) - set(self.loss_kwargs))
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.compute_loss got unknown loss kwargs {unknown}.")
+        decay = float(loss_kwargs.get("decay") or self.config.loss_decay)
+        weights = [decay**j for j in range(self.num_heads)]
+        return self.heads_loss(batch, features, target_head, weights, labels=self.config.loss_labels)
+
+
+__all__ += ["HeadsDraftState"]
