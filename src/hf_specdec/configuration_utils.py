@@ -12,7 +12,15 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-__all__ = ["DrafterConfig", "get_text_config", "decoder_layer_defaults", "validate_decoder_layer"]
+__all__ = [
+    "DrafterConfig",
+    "get_text_config",
+    "decoder_layer_defaults",
+    "fill_decoder_layer_defaults",
+    "validate_decoder_layer",
+    "fill_heads_defaults",
+    "validate_heads",
+]
 
 
 def get_text_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -224,3 +232,59 @@ def validate_decoder_layer(config, why_hidden: str) -> None:
         raise ValueError(
             f"{name}.hidden_act must be one of silu, gelu, gelu_pytorch_tanh, relu; got {config.hidden_act!r}."
         )
+
+
+def fill_decoder_layer_defaults(config) -> None:
+    """Fills a draft decoder layer's unset sizes from its hidden size (the target's by default): ``intermediate_size``
+    4x, ``num_key_value_heads`` = heads, ``head_dim`` = hidden / heads; normalises its RoPE scaling and sets the
+    family's default ``target_layer_ids``. For a config's ``__post_init__``, before the base class's."""
+    from .layers import normalize_rope_scaling
+
+    if config.hidden_size is None:
+        config.hidden_size = config.target_hidden_size
+    if config.intermediate_size is None and config.hidden_size is not None:
+        config.intermediate_size = 4 * config.hidden_size
+    if config.num_key_value_heads is None:
+        config.num_key_value_heads = config.num_attention_heads
+    if config.head_dim is None and config.hidden_size is not None and config.num_attention_heads:
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    config.rope_scaling_parameters = normalize_rope_scaling(
+        config.rope_scaling_parameters, config.max_position_embeddings
+    )
+    if config.target_layer_ids is None and config.target_num_hidden_layers is not None:
+        config.target_layer_ids = config.default_target_layer_ids(config.target_num_hidden_layers)
+
+
+def fill_heads_defaults(config) -> None:
+    """Head families (one draft token per head, reading one target state): ``hidden_size`` = the target's,
+    ``num_draft_tokens`` = ``num_heads``, the family's default ``target_layer_ids``."""
+    if config.hidden_size is None:
+        config.hidden_size = config.target_hidden_size
+    if config.num_draft_tokens is None:
+        config.num_draft_tokens = config.num_heads
+    if config.target_layer_ids is None and config.target_num_hidden_layers is not None:
+        config.target_layer_ids = config.default_target_layer_ids(config.target_num_hidden_layers)
+
+
+def validate_heads(config, require_complete: bool, what: str) -> None:
+    """Checks a head family's ``num_heads``, ``num_draft_tokens <= num_heads``, ``loss_labels`` and, once target facts
+    are known, ``hidden_size == target_hidden_size`` (``what`` says why) and a single ``target_layer_ids`` entry."""
+    name = type(config).__name__
+    if isinstance(config.num_heads, bool) or not isinstance(config.num_heads, int) or config.num_heads < 1:
+        raise ValueError(f"{name}.num_heads must be a positive integer, got {config.num_heads!r}.")
+    if config.num_draft_tokens > config.num_heads:
+        raise ValueError(
+            f"{name}.num_draft_tokens ({config.num_draft_tokens}) must be at most num_heads ({config.num_heads}): "
+            "each head drafts one token."
+        )
+    if config.loss_labels not in ("soft", "hard"):
+        raise ValueError(f"{name}.loss_labels must be 'soft' or 'hard', got {config.loss_labels!r}.")
+    if not require_complete and not config.is_bound_to_target_facts:
+        return
+    if config.hidden_size != config.target_hidden_size:
+        raise ValueError(
+            f"{name}.hidden_size ({config.hidden_size}) must equal target_hidden_size ({config.target_hidden_size}): "
+            f"{what}."
+        )
+    if config.target_layer_ids is not None and len(config.target_layer_ids) != 1:
+        raise ValueError(f"{name}.target_layer_ids must name one target state, got {config.target_layer_ids}.")

@@ -21,7 +21,7 @@ import torch
 from .generation.proposals import DraftInputs, Proposal, TokenSelector
 from .modeling_utils import depthwise_distillation_loss
 
-__all__ = ["HeadsDraftState", "ParallelHeadsMixin"]
+__all__ = ["HeadsDraftState", "ParallelHeadsMixin", "last_verified"]
 
 
 @dataclass
@@ -60,14 +60,7 @@ class ParallelHeadsMixin:
 
     def observe(self, state: HeadsDraftState, inputs: DraftInputs) -> None:
         (feats,) = self.select_target_features(inputs.hidden_states)
-        valid = inputs.valid.to(feats.device)
-        slot = torch.arange(valid.shape[1], device=valid.device)
-        last = torch.where(valid, slot, -1).max(dim=1).values
-        rows = torch.arange(valid.shape[0], device=valid.device)
-        new = feats[rows, last.clamp(min=0)]
-        if state.last_hidden is not None:  # a row without a verified slot here (finished) keeps its state
-            new = torch.where((last >= 0)[:, None], new, state.last_hidden)
-        state.last_hidden = new
+        state.last_hidden, _ = last_verified(feats, inputs, state.last_hidden)
         state.logits = None
 
     def _head_logits(self, state: HeadsDraftState) -> torch.Tensor:
@@ -110,33 +103,33 @@ class ParallelHeadsMixin:
         steps = self.num_heads if steps is None else min(int(steps), self.num_heads)
         return [logits[:, :, j] for j in range(steps)]
 
-    def heads_loss(self, batch: dict, features, target_head, weights: list[float], labels: str = "soft"):
+    def heads_loss(self, batch: dict, features, target_head, weights: list[float], labels: str = "soft", **kw):
         """``sum_j weights[j] * CE`` of head ``j`` against the teacher's distribution of the token it predicts
-        (``labels="soft"``, self-distillation) or against the data's token (``"hard"``, the papers' objective)."""
-        if target_head is None:
-            raise ValueError(f"{type(self).__name__}.compute_loss needs the target's LM head for its labels.")
-        cfg = self.config
-        loss_mask = batch["loss_mask"].bool()
-        attn = batch.get("attention_mask")
-        if attn is not None:
-            loss_mask = loss_mask & attn.bool()
-        loss_mask = loss_mask.to(self.device)
-        reduced = self.reduced_vocabulary
-        soft = features.soft_labels(target_head, self.draft_token_ids if reduced else None)
-        in_vocab = self.t2d[soft.full_argmax.to(self.device)] if reduced else torch.ones_like(loss_mask)
-        hard = None
-        if labels == "hard":
-            ids = batch["input_ids"].to(self.device)
-            if reduced:  # draft index of each token, -1 outside the draft vocabulary
-                index = torch.full((cfg.target_vocab_size,), -1, dtype=torch.long, device=self.device)
-                index[self.draft_token_ids] = torch.arange(cfg.draft_vocab_size, device=self.device)
-                hard = index[ids]
-            else:
-                hard = ids
-        elif labels != "soft":
-            raise ValueError(f"labels must be 'soft' or 'hard', got {labels!r}.")
+        (``labels="soft"``, self-distillation) or against the data's token (``"hard"``, the papers' objective);
+        ``kw``: the loss kwargs the family was called with (checked against its ``loss_kwargs``)."""
+        loss_mask, soft, in_vocab, hard = self.loss_targets(batch, features, target_head, kw, labels)
         (hidden,) = features.hidden_states
         step_logits = self.teacher_forced_logits(hidden.to(self.device, self.dtype))
         return depthwise_distillation_loss(
             step_logits, soft, loss_mask, in_vocab, weights[: len(step_logits)], self.num_heads, hard_targets=hard
         )
+
+
+def last_verified(feats: torch.Tensor, inputs: DraftInputs, previous: tuple | torch.Tensor | None = None):
+    """Each row's state at its last verified slot, and the token that follows it: ``(hidden (B, H), token (B,))``.
+
+    A row without a verified slot in ``inputs`` (it finished) keeps ``previous`` (``hidden`` or ``(hidden, token)``).
+    """
+    valid = inputs.valid.to(feats.device)
+    slot = torch.arange(valid.shape[1], device=valid.device)
+    last = torch.where(valid, slot, -1).max(dim=1).values
+    rows = torch.arange(valid.shape[0], device=valid.device)
+    hidden = feats[rows, last.clamp(min=0)]
+    token = inputs.next_token_ids.to(feats.device)[rows, last.clamp(min=0)]
+    if previous is not None:
+        old_hidden, old_token = previous if isinstance(previous, tuple) else (previous, None)
+        keep = last < 0
+        hidden = torch.where(keep[:, None], old_hidden, hidden)
+        if old_token is not None:
+            token = torch.where(keep, old_token, token)
+    return hidden, token

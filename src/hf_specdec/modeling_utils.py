@@ -139,7 +139,9 @@ def adapter_fingerprint(model: nn.Module) -> str:
     from peft import get_peft_model_state_dict
 
     digest = hashlib.sha256()
-    state = get_peft_model_state_dict(model)
+    # The same adapter is reached as a PeftModel (names start with "base_model.model.") or, inside generate, as the
+    # adapted transformers model itself (no prefix): the names are compared without it.
+    state = {k.removeprefix("base_model.model."): v for k, v in get_peft_model_state_dict(model).items()}
     for name in sorted(state):
         tensor = state[name].detach().to("cpu", torch.float32).contiguous()
         digest.update(name.encode())
@@ -736,6 +738,42 @@ class ReducedVocabularyMixin:
                 lin.weight.copy_(rows.to(lin.weight))
                 done = True
         return done
+
+    def loss_targets(self, batch: dict, features, target_head, loss_kwargs: dict, labels: str = "soft"):
+        """What a depthwise loss needs, checked: ``(loss_mask, soft_labels, in_vocab, hard_targets)``.
+
+        Refuses loss kwargs the family does not declare and a missing LM head. ``loss_mask`` is the batch's loss
+        mask within its attention mask; ``soft_labels`` the teacher's distribution over the draft vocabulary;
+        ``in_vocab`` whether the teacher's choice at each position is in it; ``hard_targets`` (``labels="hard"``) the
+        draft index of each token (``-1`` outside the draft vocabulary), else ``None``."""
+        name = type(self).__name__
+        unknown = sorted(set(loss_kwargs) - set(self.loss_kwargs))
+        if unknown:
+            raise TypeError(
+                f"{name}.compute_loss got unknown loss kwargs {unknown}; it takes {list(self.loss_kwargs)}."
+            )
+        if target_head is None:
+            raise ValueError(f"{name}.compute_loss needs the target's LM head for its labels.")
+        if labels not in ("soft", "hard"):
+            raise ValueError(f"labels must be 'soft' or 'hard', got {labels!r}.")
+        loss_mask = batch["loss_mask"].bool()
+        attn = batch.get("attention_mask")
+        if attn is not None:
+            loss_mask = loss_mask & attn.bool()
+        loss_mask = loss_mask.to(self.device)
+        reduced = self.reduced_vocabulary
+        soft = features.soft_labels(target_head, self.draft_token_ids if reduced else None)
+        in_vocab = self.t2d[soft.full_argmax.to(self.device)] if reduced else torch.ones_like(loss_mask)
+        hard = None
+        if labels == "hard":
+            ids = batch["input_ids"].to(self.device)
+            if reduced:
+                index = torch.full((self.config.target_vocab_size,), -1, dtype=torch.long, device=self.device)
+                index[self.draft_token_ids] = torch.arange(self.config.draft_vocab_size, device=self.device)
+                hard = index[ids]
+            else:
+                hard = ids
+        return loss_mask, soft, in_vocab, hard
 
     def reduced_vocab_ids(self) -> torch.LongTensor | None:
         """The ``vocab_ids`` argument of a :class:`~hf_specdec.generation.proposals.TokenSelector` (``None`` for the

@@ -6,7 +6,7 @@ from .blockwise import BlockwiseConfig, BlockwiseForDrafting
 from .eagle1 import Eagle1Config, Eagle1ForDrafting
 from .eagle3 import Eagle3Config, Eagle3ForDrafting
 from .hydra import HydraConfig, HydraForDrafting
-from .medusa import MedusaConfig, MedusaForDrafting
+from .medusa import Medusa2Config, Medusa2ForDrafting, MedusaConfig, MedusaForDrafting
 
 # Public names re-exported by ``hf_specdec`` (it never names a family itself).
 __all__ = [
@@ -25,4 +25,6 @@ __all__ = [
     "HydraForDrafting",
     "MedusaConfig",
     "MedusaForDrafting",
+    "Medusa2Config",
+    "Medusa2ForDrafting",
 ]

@@ -6,7 +6,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from ...configuration_utils import DrafterConfig
+from ...configuration_utils import DrafterConfig, fill_heads_defaults, validate_heads
 
 __all__ = ["BlockwiseConfig"]
 
@@ -46,14 +46,9 @@ class BlockwiseConfig(DrafterConfig):
     num_draft_tokens: int | None = None
 
     def __post_init__(self, **kwargs):
-        if self.hidden_size is None:
-            self.hidden_size = self.target_hidden_size
-        if self.intermediate_size is None and self.hidden_size is not None:
-            self.intermediate_size = 2 * self.hidden_size
-        if self.num_draft_tokens is None:
-            self.num_draft_tokens = self.num_heads
-        if self.target_layer_ids is None and self.target_num_hidden_layers is not None:
-            self.target_layer_ids = self.default_target_layer_ids(self.target_num_hidden_layers)
+        fill_heads_defaults(self)
+        if self.intermediate_size is None and self.target_hidden_size is not None:
+            self.intermediate_size = 2 * self.target_hidden_size
         super().__post_init__(**kwargs)
 
     @classmethod
@@ -67,25 +62,10 @@ class BlockwiseConfig(DrafterConfig):
     def validate_drafter(self, require_complete: bool = False) -> None:
         super().validate_drafter(require_complete)
         name = type(self).__name__
-        if isinstance(self.num_heads, bool) or not isinstance(self.num_heads, int) or self.num_heads < 1:
-            raise ValueError(f"{name}.num_heads must be a positive integer, got {self.num_heads!r}.")
-        if self.num_draft_tokens > self.num_heads:
-            raise ValueError(
-                f"{name}.num_draft_tokens ({self.num_draft_tokens}) must be at most num_heads ({self.num_heads}): "
-                "each head drafts one token."
-            )
         if self.hidden_act not in ("relu", "silu", "gelu"):
             raise ValueError(f"{name}.hidden_act must be relu, silu or gelu; got {self.hidden_act!r}.")
-        if self.loss_labels not in ("soft", "hard"):
-            raise ValueError(f"{name}.loss_labels must be 'soft' or 'hard', got {self.loss_labels!r}.")
+        validate_heads(self, require_complete, "the heads feed the target's LM head")
         if not require_complete and not self.is_bound_to_target_facts:
             return
-        if self.hidden_size != self.target_hidden_size:
-            raise ValueError(
-                f"{name}.hidden_size ({self.hidden_size}) must equal target_hidden_size ({self.target_hidden_size}): "
-                "the heads feed the target's LM head."
-            )
         if not isinstance(self.intermediate_size, int) or self.intermediate_size < 1:
             raise ValueError(f"{name}.intermediate_size must be a positive integer, got {self.intermediate_size!r}.")
-        if self.target_layer_ids is not None and len(self.target_layer_ids) != 1:
-            raise ValueError(f"{name}.target_layer_ids must name one target state, got {self.target_layer_ids}.")

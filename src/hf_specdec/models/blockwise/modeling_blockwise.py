@@ -85,6 +85,5 @@ class BlockwiseForDrafting(ParallelHeadsMixin, ReducedVocabularyMixin, DrafterPr
 
     def compute_loss(self, batch, features, target_head=None, **loss_kwargs):
         """Equal-weight cross-entropy of every head (labels per ``config.loss_labels``)."""
-        if loss_kwargs:
-            raise TypeError(f"{type(self).__name__}.compute_loss got unknown loss kwargs {sorted(loss_kwargs)}.")
-        return self.heads_loss(batch, features, target_head, [1.0] * self.num_heads, labels=self.config.loss_labels)
+        weights = [1.0] * self.num_heads
+        return self.heads_loss(batch, features, target_head, weights, self.config.loss_labels, **loss_kwargs)

@@ -6,8 +6,12 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from ...configuration_utils import DrafterConfig, decoder_layer_defaults, validate_decoder_layer
-from ...layers import normalize_rope_scaling
+from ...configuration_utils import (
+    DrafterConfig,
+    decoder_layer_defaults,
+    fill_decoder_layer_defaults,
+    validate_decoder_layer,
+)
 
 __all__ = ["Eagle1Config"]
 
@@ -59,19 +63,7 @@ class Eagle1Config(DrafterConfig):
     num_draft_tokens: int = 5
 
     def __post_init__(self, **kwargs):
-        if self.hidden_size is None:
-            self.hidden_size = self.target_hidden_size
-        if self.intermediate_size is None and self.hidden_size is not None:
-            self.intermediate_size = 4 * self.hidden_size
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None and self.hidden_size is not None and self.num_attention_heads:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        self.rope_scaling_parameters = normalize_rope_scaling(
-            self.rope_scaling_parameters, self.max_position_embeddings
-        )
-        if self.target_layer_ids is None and self.target_num_hidden_layers is not None:
-            self.target_layer_ids = self.default_target_layer_ids(self.target_num_hidden_layers)
+        fill_decoder_layer_defaults(self)
         super().__post_init__(**kwargs)
 
     @classmethod

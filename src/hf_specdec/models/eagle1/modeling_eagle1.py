@@ -123,23 +123,12 @@ class Eagle1ForDrafting(FeatureAutoregressiveMixin, ReducedVocabularyMixin, Draf
         """``feature_loss_weight * SmoothL1(f, f̂) + token_loss_weight * CE(p, p̂)`` per unrolled step, weighted
         ``ttt_decay ** j``; the CE is against the target's distribution (soft labels), the regression against the
         target's next feature. Metrics: per-step accuracy, the simulated walk and ``feature_l1`` (mean SmoothL1)."""
-        unknown = sorted(set(loss_kwargs) - set(self.loss_kwargs))
-        if unknown:
-            raise TypeError(f"{type(self).__name__}.compute_loss got unknown loss kwargs {unknown}.")
-        if target_head is None:
-            raise ValueError("Eagle1ForDrafting.compute_loss needs the target's LM head for soft labels.")
         cfg = self.config
         steps = int(loss_kwargs.get("steps") or cfg.ttt_steps)
         decay = float(cfg.ttt_decay if loss_kwargs.get("decay") is None else loss_kwargs["decay"])
         input_ids = batch["input_ids"].to(self.device)
         attn = batch.get("attention_mask")
-        loss_mask = batch["loss_mask"].bool()
-        if attn is not None:
-            loss_mask = loss_mask & attn.bool()
-        loss_mask = loss_mask.to(self.device)
-        reduced = self.reduced_vocabulary
-        soft = features.soft_labels(target_head, self.draft_token_ids if reduced else None)
-        in_vocab = self.t2d[soft.full_argmax.to(self.device)] if reduced else torch.ones_like(loss_mask)
+        loss_mask, soft, in_vocab, _ = self.loss_targets(batch, features, target_head, loss_kwargs)
         (feat,) = features.hidden_states
         feat = feat.to(self.device, self.dtype)
         noise = float(cfg.feature_noise) if self.training else 0.0

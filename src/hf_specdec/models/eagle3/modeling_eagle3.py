@@ -254,26 +254,13 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, ReducedVocabularyMixin, Draf
         ``decay`` (default ``config.ttt_decay``). Metrics: ``correct`` / ``valid`` per step, and the pass-by-pass
         walk of :func:`~hf_specdec.features.walk_metrics` with ``K = min(num_draft_tokens, steps)``.
         """
-        unknown = sorted(set(loss_kwargs) - set(self.loss_kwargs))
-        if unknown:
-            raise TypeError(
-                f"{type(self).__name__}.compute_loss got unknown loss kwargs {unknown}; it takes {list(self.loss_kwargs)}."
-            )
-        if target_head is None:
-            raise ValueError("Eagle3ForDrafting.compute_loss needs the target's LM head for soft labels.")
+        loss_mask, labels, in_vocab, _ = self.loss_targets(batch, features, target_head, loss_kwargs)
         cfg = self.config
         steps = loss_kwargs.get("steps") or getattr(cfg, "ttt_steps", None) or cfg.num_draft_tokens
         decay = loss_kwargs.get("decay")
         decay = float(getattr(cfg, "ttt_decay", 0.8) if decay is None else decay)
         input_ids = batch["input_ids"]
         attn_mask = batch.get("attention_mask")
-        loss_mask = batch["loss_mask"].bool()
-        if attn_mask is not None:
-            loss_mask = loss_mask & attn_mask.bool()
-        loss_mask = loss_mask.to(self.device)
-        reduced = cfg.draft_vocab_size < cfg.target_vocab_size
-        labels = features.soft_labels(target_head, self.draft_token_ids if reduced else None)
-        in_vocab = self.t2d[labels.full_argmax.to(self.device)] if reduced else torch.ones_like(loss_mask)
         outs = self.ttt_forward(input_ids, features.hidden_states, attn_mask, steps)
         return depthwise_distillation_loss(
             [logits for logits, _ in outs],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...configuration_utils import DrafterConfig
+from ...configuration_utils import DrafterConfig, fill_heads_defaults, validate_heads
 
 __all__ = ["HydraConfig"]
 
@@ -44,12 +44,7 @@ class HydraConfig(DrafterConfig):
     num_draft_tokens: int | None = None
 
     def __post_init__(self, **kwargs):
-        if self.hidden_size is None:
-            self.hidden_size = self.target_hidden_size
-        if self.num_draft_tokens is None:
-            self.num_draft_tokens = self.num_heads
-        if self.target_layer_ids is None and self.target_num_hidden_layers is not None:
-            self.target_layer_ids = self.default_target_layer_ids(self.target_num_hidden_layers)
+        fill_heads_defaults(self)
         super().__post_init__(**kwargs)
 
     @classmethod
@@ -59,27 +54,10 @@ class HydraConfig(DrafterConfig):
     def validate_drafter(self, require_complete: bool = False) -> None:
         super().validate_drafter(require_complete)
         name = type(self).__name__
-        for key in ("num_heads", "num_layers"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}.{key} must be a positive integer, got {value!r}.")
-        if self.num_draft_tokens > self.num_heads:
-            raise ValueError(
-                f"{name}.num_draft_tokens ({self.num_draft_tokens}) must be at most num_heads ({self.num_heads}): "
-                "each head drafts one token."
-            )
-        if self.loss_labels not in ("soft", "hard"):
-            raise ValueError(f"{name}.loss_labels must be 'soft' or 'hard', got {self.loss_labels!r}.")
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ValueError(f"{name}.num_layers must be a positive integer, got {self.num_layers!r}.")
         if not 0.0 < float(self.loss_decay) <= 1.0:
             raise ValueError(f"{name}.loss_decay must be in (0, 1], got {self.loss_decay!r}.")
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ValueError(f"{name}.dropout must be in [0, 1), got {self.dropout!r}.")
-        if not require_complete and not self.is_bound_to_target_facts:
-            return
-        if self.hidden_size != self.target_hidden_size:
-            raise ValueError(
-                f"{name}.hidden_size ({self.hidden_size}) must equal target_hidden_size ({self.target_hidden_size}): "
-                "Hydra heads read the target's hidden state and token embeddings."
-            )
-        if self.target_layer_ids is not None and len(self.target_layer_ids) != 1:
-            raise ValueError(f"{name}.target_layer_ids must name one target state, got {self.target_layer_ids}.")
+        validate_heads(self, require_complete, "Hydra heads read the target's hidden state and token embeddings")

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ...generation.proposals import DraftInputs, Proposal, TokenSelector
+from ...heads import last_verified
 from ...modeling_utils import DrafterPreTrainedModel, ReducedVocabularyMixin, depthwise_distillation_loss
 from .configuration_hydra import HydraConfig
 
@@ -131,17 +132,8 @@ class HydraForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
 
     def observe(self, state: HydraDraftState, inputs: DraftInputs) -> None:
         (feats,) = self.select_target_features(inputs.hidden_states)
-        valid = inputs.valid.to(feats.device)
-        slot = torch.arange(valid.shape[1], device=valid.device)
-        last = torch.where(valid, slot, -1).max(dim=1).values
-        rows = torch.arange(valid.shape[0], device=valid.device)
-        hidden = feats[rows, last.clamp(min=0)]
-        token = inputs.next_token_ids.to(feats.device)[rows, last.clamp(min=0)]
-        if state.last_hidden is not None:  # a row without a verified slot here (finished) keeps its state
-            keep = last < 0
-            hidden = torch.where(keep[:, None], state.last_hidden, hidden)
-            token = torch.where(keep, state.last_token, token)
-        state.last_hidden, state.last_token = hidden, token
+        previous = None if state.last_hidden is None else (state.last_hidden, state.last_token)
+        state.last_hidden, state.last_token = last_verified(feats, inputs, previous)
 
     def propose(self, state: HydraDraftState, num_tokens: int, select: TokenSelector) -> Proposal:
         vocab_ids = self.reduced_vocab_ids()
@@ -191,27 +183,9 @@ class HydraForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
     # -- training ----------------------------------------------------------------------------------------------------
     def compute_loss(self, batch, features, target_head=None, **loss_kwargs):
         """``sum_k decay^(k-1) CE_k`` over the teacher-forced heads, labels per ``config.loss_labels``."""
-        unknown = sorted(set(loss_kwargs) - set(self.loss_kwargs))
-        if unknown:
-            raise TypeError(f"{type(self).__name__}.compute_loss got unknown loss kwargs {unknown}.")
-        if target_head is None:
-            raise ValueError("HydraForDrafting.compute_loss needs the target's LM head for its labels.")
         cfg = self.config
         decay = float(loss_kwargs.get("decay") or cfg.loss_decay)
-        loss_mask = batch["loss_mask"].bool()
-        attn = batch.get("attention_mask")
-        if attn is not None:
-            loss_mask = loss_mask & attn.bool()
-        loss_mask = loss_mask.to(self.device)
-        reduced = self.reduced_vocabulary
-        soft = features.soft_labels(target_head, self.draft_token_ids if reduced else None)
-        in_vocab = self.t2d[soft.full_argmax.to(self.device)] if reduced else torch.ones_like(loss_mask)
-        hard = None
-        if cfg.loss_labels == "hard":
-            ids = batch["input_ids"].to(self.device)
-            index = torch.full((cfg.target_vocab_size,), -1, dtype=torch.long, device=self.device)
-            index[self.draft_token_ids] = torch.arange(cfg.draft_vocab_size, device=self.device)
-            hard = index[ids]
+        loss_mask, soft, in_vocab, hard = self.loss_targets(batch, features, target_head, loss_kwargs, cfg.loss_labels)
         (hidden,) = features.hidden_states
         outs = self(hidden, batch["input_ids"].to(self.device))
         weights = [decay**j for j in range(len(outs))]

@@ -3,8 +3,8 @@
 from ...registry import register_drafter
 from ...tree.policies import register_static_tree
 from . import convert_medusa  # noqa: F401  (registers the FasterDecoding and vLLM layouts)
-from .configuration_medusa import MedusaConfig
-from .modeling_medusa import MedusaForDrafting
+from .configuration_medusa import Medusa2Config, MedusaConfig
+from .modeling_medusa import Medusa2ForDrafting, MedusaForDrafting
 
 # Medusa's default sparse tree (FasterDecoding/Medusa ``medusa_choices.mc_sim_7b_63``): 63 nodes, depth <= 4, chosen
 # from Vicuna-7B calibration accuracies; as data (paths of child ranks, in the source's order).
@@ -29,4 +29,17 @@ register_drafter(
     ),
 )
 
-__all__ = ["MedusaConfig", "MedusaForDrafting"]
+register_drafter(
+    "medusa2",
+    Medusa2Config,
+    Medusa2ForDrafting,
+    "Medusa-2: Medusa heads trained jointly with a LoRA adapter on the target (self-distilled)",
+    display_name="Medusa-2",
+    card_description=(
+        "Medusa-2 (Cai et al. 2024) trains the Medusa heads together with a LoRA adapter on the target, with the "
+        "unadapted target as the teacher (self-distillation) and a ramped weight on the heads' loss. Generation "
+        "uses the adapted target (`target = drafter.adapt_target(target)`), shipped in the drafter's folder."
+    ),
+)
+
+__all__ = ["MedusaConfig", "MedusaForDrafting", "Medusa2Config", "Medusa2ForDrafting"]

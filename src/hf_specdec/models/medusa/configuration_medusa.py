@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ...configuration_utils import DrafterConfig
+from ...configuration_utils import DrafterConfig, fill_heads_defaults, validate_heads
 
-__all__ = ["MedusaConfig"]
+__all__ = ["MedusaConfig", "Medusa2Config"]
 
 
 class MedusaConfig(DrafterConfig):
@@ -48,12 +48,7 @@ class MedusaConfig(DrafterConfig):
     num_draft_tokens: int | None = None
 
     def __post_init__(self, **kwargs):
-        if self.hidden_size is None:
-            self.hidden_size = self.target_hidden_size
-        if self.num_draft_tokens is None:
-            self.num_draft_tokens = self.num_heads
-        if self.target_layer_ids is None and self.target_num_hidden_layers is not None:
-            self.target_layer_ids = self.default_target_layer_ids(self.target_num_hidden_layers)
+        fill_heads_defaults(self)
         super().__post_init__(**kwargs)
 
     @classmethod
@@ -63,28 +58,57 @@ class MedusaConfig(DrafterConfig):
     def validate_drafter(self, require_complete: bool = False) -> None:
         super().validate_drafter(require_complete)
         name = type(self).__name__
-        for key in ("num_heads", "num_layers"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "num_heads" else 0):
-                raise ValueError(
-                    f"{name}.{key} must be a {'positive' if key == 'num_heads' else 'non-negative'} "
-                    f"integer, got {value!r}."
-                )
-        if self.num_draft_tokens > self.num_heads:
-            raise ValueError(
-                f"{name}.num_draft_tokens ({self.num_draft_tokens}) must be at most num_heads ({self.num_heads}): "
-                "each head drafts one token."
-            )
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 0:
+            raise ValueError(f"{name}.num_layers must be a non-negative integer, got {self.num_layers!r}.")
         if not 0.0 < float(self.loss_decay) <= 1.0:
             raise ValueError(f"{name}.loss_decay must be in (0, 1], got {self.loss_decay!r}.")
-        if self.loss_labels not in ("soft", "hard"):
-            raise ValueError(f"{name}.loss_labels must be 'soft' or 'hard', got {self.loss_labels!r}.")
-        if not require_complete and not self.is_bound_to_target_facts:
-            return
-        if self.hidden_size != self.target_hidden_size:
-            raise ValueError(
-                f"{name}.hidden_size ({self.hidden_size}) must equal target_hidden_size ({self.target_hidden_size}): "
-                "Medusa heads read the target's hidden state."
-            )
-        if self.target_layer_ids is not None and len(self.target_layer_ids) != 1:
-            raise ValueError(f"{name}.target_layer_ids must name one target state, got {self.target_layer_ids}.")
+        validate_heads(self, require_complete, "Medusa heads read the target's hidden state")
+
+
+class Medusa2Config(MedusaConfig):
+    r"""Configuration of :class:`Medusa2ForDrafting` (Medusa-2: heads trained jointly with a LoRA adapter on the
+    target, Cai et al. 2024).
+
+    The loss is ``KL(p_orig || p_adapted) + λ · Σ_k decay^(k-1) CE_k``: the unadapted target is the teacher of the
+    adapted one (self-distillation keeps its outputs), and ``λ`` ramps linearly from 0 to ``lambda_max`` over the
+    first ``lambda_ramp`` share of training (the heads warm up while the backbone barely moves). The heads train at
+    the run's learning rate, the adapter at ``1 / head_lr_ratio`` of it. Generation needs the adapted target:
+    ``target = drafter.adapt_target(target)`` (the adapter is saved next to the drafter, and a target without it is
+    refused). The λ ramp and learning-rate ratio are design choices, not the paper's values.
+
+    Args:
+        lora_r (`int`, defaults to 8), lora_alpha (`int`, defaults to 16), lora_dropout (`float`, defaults to 0.0),
+        lora_target_modules (`list[str]`, defaults to the attention projections): the adapter on the target.
+        lambda_max (`float`, defaults to 0.2), lambda_ramp (`float`, defaults to 0.5): the heads' loss weight ramp.
+        head_lr_ratio (`float`, defaults to 4.0): head learning rate over adapter learning rate.
+        Other arguments: see :class:`MedusaConfig`.
+    """
+
+    model_type = "medusa2_drafter"
+
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] | None = None
+    lambda_max: float = 0.2
+    lambda_ramp: float = 0.5
+    head_lr_ratio: float = 4.0
+
+    def __post_init__(self, **kwargs):
+        if self.lora_target_modules is None:
+            self.lora_target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        super().__post_init__(**kwargs)
+
+    def validate_drafter(self, require_complete: bool = False) -> None:
+        super().validate_drafter(require_complete)
+        name = type(self).__name__
+        if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or self.lora_r < 1:
+            raise ValueError(f"{name}.lora_r must be a positive integer, got {self.lora_r!r}.")
+        if not 0.0 <= float(self.lambda_max):
+            raise ValueError(f"{name}.lambda_max must be >= 0, got {self.lambda_max!r}.")
+        if not 0.0 <= float(self.lambda_ramp) <= 1.0:
+            raise ValueError(f"{name}.lambda_ramp must be a share of training in [0, 1], got {self.lambda_ramp!r}.")
+        if not float(self.head_lr_ratio) > 0:
+            raise ValueError(f"{name}.head_lr_ratio must be > 0, got {self.head_lr_ratio!r}.")
+        if not self.lora_target_modules:
+            raise ValueError(f"{name}.lora_target_modules must name the target modules the adapter adapts.")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...heads import HeadsDraftState, ParallelHeadsMixin
+from ...heads import ParallelHeadsMixin
 from ...modeling_utils import DrafterPreTrainedModel, ReducedVocabularyMixin
-from .configuration_medusa import MedusaConfig
+from .configuration_medusa import Medusa2Config, MedusaConfig
 
-__all__ = ["MedusaForDrafting", "MedusaResBlock", "MedusaHead"]
+__all__ = ["MedusaForDrafting", "Medusa2ForDrafting", "MedusaResBlock", "MedusaHead"]
 
 
 class MedusaResBlock(nn.Module):
@@ -91,12 +91,70 @@ class MedusaForDrafting(ParallelHeadsMixin, ReducedVocabularyMixin, DrafterPreTr
     def compute_loss(self, batch, features, target_head=None, **loss_kwargs):
         """``sum_k decay^(k-1) CE_k`` over the heads (``decay``: ``config.loss_decay`` unless given), labels per
         ``config.loss_labels``; metrics per head and the simulated walk of a ``num_heads`` chain."""
-        unknown = sorted(set(loss_kwargs) - set(self.loss_kwargs))
-        if unknown:
-            raise TypeError(f"{type(self).__name__}.compute_loss got unknown loss kwargs {unknown}.")
-        decay = float(loss_kwargs.get("decay") or self.config.loss_decay)
+        decay = float(loss_kwargs.get("decay") or self.config.loss_decay)  # medusa_weight: Medusa2ForDrafting
         weights = [decay**j for j in range(self.num_heads)]
-        return self.heads_loss(batch, features, target_head, weights, labels=self.config.loss_labels)
+        return self.heads_loss(batch, features, target_head, weights, self.config.loss_labels, **loss_kwargs)
 
 
-__all__ += ["HeadsDraftState"]
+class Medusa2ForDrafting(MedusaForDrafting):
+    """Medusa-2: Medusa heads trained jointly with a LoRA adapter on the target (self-distilled).
+
+    ``hf-specdec train --drafter medusa2`` (online features: the adapter changes them) writes the heads and the
+    adapter; at generation time load both:
+
+        >>> drafter = AutoModelForDrafting.from_pretrained(folder)
+        >>> target = drafter.adapt_target(target)  # the adapted target; the plain one is refused
+        >>> out = target.generate(**inputs, assistant_model=drafter)
+    """
+
+    config_class = Medusa2Config
+    trains_target_adapter = True
+    loss_kwargs = ("decay", "medusa_weight")
+
+    def target_adapter_config(self):
+        from peft import LoraConfig
+
+        cfg = self.config
+        return LoraConfig(
+            r=cfg.lora_r,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=cfg.lora_dropout,
+            target_modules=list(cfg.lora_target_modules),
+        )
+
+    def loss_schedule(self, step: int, total_steps: int) -> dict:
+        ramp = self.config.lambda_ramp * max(int(total_steps), 1)
+        share = 1.0 if ramp <= 0 else min(1.0, step / ramp)
+        return {"medusa_weight": float(self.config.lambda_max) * share}
+
+    def optimizer_param_groups(self, learning_rate, weight_decay, adapter_parameters=None):
+        groups = super().optimizer_param_groups(learning_rate, weight_decay)
+        if adapter_parameters:
+            groups.append(
+                {
+                    "params": list(adapter_parameters),
+                    "lr": learning_rate / float(self.config.head_lr_ratio),
+                    "weight_decay": weight_decay,
+                }
+            )
+        return groups
+
+    def compute_loss(self, batch, features, target_head=None, **loss_kwargs):
+        """``KL(teacher || adapted target)`` over the loss tokens plus ``medusa_weight`` times the heads' loss
+        (``medusa_weight`` from :meth:`loss_schedule`; ``lambda_max`` when called outside the trainer)."""
+        weight = loss_kwargs.get("medusa_weight")
+        weight = float(self.config.lambda_max if weight is None else weight)
+        heads = super().compute_loss(batch, features, target_head, **loss_kwargs)
+        teacher = features.soft_labels(target_head)
+        student = torch.log_softmax(features.logits(target_head), dim=-1)
+        kl = (teacher.probs * (teacher.probs.clamp_min(1e-12).log() - student)).sum(-1)[:, :-1]
+        mask = batch["loss_mask"].bool()
+        if batch.get("attention_mask") is not None:
+            mask = mask & batch["attention_mask"].bool()
+        mask = mask[:, 1:].to(kl.device)  # position s predicts token s + 1
+        lm = (kl * mask).sum() / mask.sum().clamp(min=1)
+        heads.loss = lm + weight * heads.loss
+        heads.metrics["distill_kl_sum"] = (kl * mask).sum().detach()
+        heads.metrics["distill_count"] = mask.sum().float()
+        heads.rates["distill_kl"] = ("distill_kl_sum", "distill_count")
+        return heads
