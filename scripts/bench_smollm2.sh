@@ -3,7 +3,8 @@
 #
 # Spec-Bench, all six categories, 5 prompts each, fp32, on a 2-core CPU. Four `hf-specdec bench` runs, two at a time
 # with one torch thread each (each run compares against plain `generate` measured in the same run, interleaved):
-#   smollm2-bench      greedy, batch 1, 128 new tokens: plain, EAGLE-3 chain, EAGLE-2 tree, transformers' prompt lookup
+#   smollm2-bench      greedy, batch 1, 128 new tokens: plain, EAGLE-3 chain, EAGLE-2 tree, transformers' assisted
+#                      generation (the shipped smollm2-assistant) and prompt lookup
 #   smollm2-bench-t07  sampling at T = 0.7, batch 1, 128 new tokens: plain, EAGLE-3 chain (adaptive and fixed K)
 #   smollm2-bench-b4   greedy, batch 4, 128 new tokens: plain, EAGLE-3 chain
 #   smollm2-bench-b8   greedy, batch 8, 384 new tokens (3 prompts per category): plain, EAGLE-3 chain

@@ -139,6 +139,13 @@ def test_benchmark_scores_every_method_and_counts_outputs_cut_by_the_cap():
     assert recs["plain"]["length_cap_hits"] == recs["strict"]["length_cap_hits"]  # identical outputs
     without = run_benchmark(target, tok, methods, items, max_new_tokens=12, warmup=0, progress=False)
     assert "task_accuracy" not in without["records"][0]
+    # the Markdown report shows the accuracies (correct / scored) and the outputs cut by the cap
+    from hf_specdec.bench.report import task_table
+
+    table = task_table(report)
+    n_correct = round(expected * 2)
+    assert f"({n_correct}/2)" in table and f"{recs['plain']['length_cap_hits']}/2" in table
+    assert task_table(without) == ""
 
 
 def test_asd_tune_refuses_candidates_that_lose_task_accuracy():

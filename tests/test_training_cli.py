@@ -129,3 +129,14 @@ def test_dump_features_refuses_token_ids_outside_the_target_vocabulary(workspace
     err = capsys.readouterr().err
     assert code == 2 and f"bad.jsonl:4: token id {len(tok) + 5}" in err, err
     assert not (tmp_path / "f" / "index.json").exists()
+
+
+def test_a_demo_target_name_is_a_target(tmp_path):
+    """`--target demo-code` loads the bundled demo target, as `bench` and `demo` do (no folder or Hub id needed)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    out = tmp_path / "regen.jsonl"
+    assert cli(["regenerate", "--target", "demo-code", "--data", str(prompts), "--output", str(out),
+                "--max-new-tokens", "4"]) == 0  # fmt: skip
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["regenerated"] is True and record["response"]

@@ -300,3 +300,31 @@ def test_check_compatible(target, tmp_path):
     wrong_hidden = SimpleNamespace(target_layer_ids=list(config.target_layer_ids), target_hidden_size=64)
     with pytest.raises(ValueError, match="hidden size"):
         ds.check_compatible(wrong_hidden)
+
+
+def test_one_dump_of_the_union_of_layers_serves_every_drafter(target, tmp_path):
+    """Features dumped once for several families: each drafter gets its own layers, in its order, and the target's
+    final state (output_hidden_states[L]) comes from the stored last hidden state."""
+    from hf_specdec import MedusaConfig
+
+    eagle = Eagle3Config.for_target(target.config)
+    medusa = MedusaConfig.for_target(target.config)
+    top = target.config.num_hidden_layers
+    assert medusa.target_layer_ids == [top] and top not in eagle.target_layer_ids
+    union = sorted(set(eagle.target_layer_ids) | {1})
+    dump_features(target, make_examples([5, 6]), union, tmp_path, progress=False, log=None)
+    full = OfflineFeatureDataset(tmp_path)
+    raw = full[0]["target_hidden_states"]
+    for config in (eagle, medusa):
+        ds = OfflineFeatureDataset(tmp_path)
+        ds.check_compatible(config)
+        item = ds[0]
+        want = [item["target_last_hidden"] if i == top else raw[union.index(i)] for i in config.target_layer_ids]
+        assert torch.equal(item["target_hidden_states"], torch.stack(want))
+    with torch.no_grad():  # and they are the target's own states
+        ids = full[0]["input_ids"][None]
+        hs = target(ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(full[0]["target_last_hidden"].float(), hs[top][0].float(), rtol=1e-2, atol=1e-2)
+    missing = MedusaConfig.for_target(target.config, target_layer_ids=[3])
+    with pytest.raises(ValueError, match="union"):
+        OfflineFeatureDataset(tmp_path).check_compatible(missing)

@@ -127,7 +127,9 @@ def drafter_card(
         training = [
             (
                 "data",
-                f"{data.get('source', '?')}: {data.get('examples', '?')} examples, {data.get('tokens', '?')} tokens",
+                f"{data.get('source') or data.get('prompt_source') or '?'}: {data.get('examples', '?')} examples, "
+                f"{data.get('tokens', '?')} tokens"
+                + (f" ({data['answers']} self-distilled answers)" if data.get("answers") else ""),
             ),
             ("steps", str(record.get("steps"))),
             ("throughput", f"{record.get('tokens_per_second')} tokens/s, peak RSS {record.get('peak_rss_mb')} MB"),

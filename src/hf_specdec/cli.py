@@ -28,8 +28,14 @@ def _selfcheck(args) -> int:
 
 
 def _load_target(args):
+    """``--target``: a model folder or Hub id, or a demo target's name (``smollm2``, ``demo-code``)."""
+    from .demo import DEMO_TARGETS
     from .training.recipes import load_target
 
+    shortcut = DEMO_TARGETS.get(str(args.target).strip().lower())
+    if shortcut is not None and not os.path.exists(args.target):
+        dtype = "float32" if args.dtype in (None, "auto") else args.dtype
+        return shortcut.load(dtype=dtype, device_map=args.device_map)
     return load_target(args.target, dtype=args.dtype, device_map=args.device_map)
 
 
@@ -530,7 +536,11 @@ def _push(args) -> int:
 
 
 def _add_target_args(p) -> None:
-    p.add_argument("--target", required=True, help="target model: local folder or Hub id")
+    p.add_argument(
+        "--target",
+        required=True,
+        help="target model: local folder or Hub id, or smollm2 / demo-code (the demo targets)",
+    )
     p.add_argument("--dtype", default="auto", help="target dtype: auto, float32, bfloat16, float16")
     p.add_argument("--device-map", default=None, help='accelerate placement of the target, e.g. "auto"')
 

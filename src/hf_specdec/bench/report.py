@@ -307,12 +307,55 @@ def _markdown_document(report: dict, records: list[dict], png_name: str) -> str:
     approx = approximate_table(report)
     if approx:
         parts += ["## Approximate verification: quality", "", approx, ""]
+    tasks = task_table(report)
+    if tasks:
+        parts += [
+            "## Task accuracy",
+            "",
+            f"Scored by `{config.get('prompts', 'the task')}`: pass@1 for code (the task's tests, run sandboxed), exact "
+            "match for arithmetic. Outputs run to their natural EOS; those cut by the length cap are counted apart.",
+            "",
+            tasks,
+            "",
+        ]
     skipped = [r for r in records if r.get("skipped") and r.get("category", "all") == "all"]
     if skipped:
         parts += ["Not run: " + "; ".join(f"{r['method']} ({_mode_label(r)}, batch {r.get('batch_size')}): "
                                           f"{r['skipped']}" for r in skipped), ""]  # fmt: skip
     parts += [f"![benchmark plot]({png_name})", ""]
     return "\n".join(parts)
+
+
+def task_table(report: dict) -> str:
+    """Task accuracy of every method (``"all"`` records of runs with a task scorer); empty string without one.
+
+    Columns: accuracy (correct / scored), tokens/s, speedup, τ, the share of outputs that differ from plain decoding
+    and the outputs cut by the length cap."""
+    records = [r for r in _measured(report) if r.get("category", "all") == "all" and r.get("task_scored")]
+    if not records:
+        return ""
+    lines = [
+        "| Method | Mode | Batch | Accuracy | tokens/s | Speedup | τ | Diverged | Cut by the cap |",
+        "|:---|:---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in records:
+        n = int(r["task_scored"])
+        acc = r.get("task_accuracy")
+        correct = None if acc is None else round(acc * n)
+        diverged = r.get("divergence_rate")
+        cells = [
+            str(r.get("method")),
+            _mode_label(r),
+            str(r.get("batch_size")),
+            DASH if acc is None else f"{100 * acc:.1f}% ({correct}/{n})",
+            _fmt(r.get("tokens_per_s"), "{:.1f}"),
+            _fmt(r.get("speedup"), "{:.2f}×"),
+            _fmt(r.get("mean_accepted_length"), "{:.2f}"),
+            DASH if diverged is None else f"{100 * diverged:.0f}%",
+            DASH if r.get("length_cap_hits") is None else f"{r['length_cap_hits']}/{n}",
+        ]
+        lines.append("| " + " | ".join(_escape(c) for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def approximate_table(report: dict) -> str:

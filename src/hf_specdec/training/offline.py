@@ -691,6 +691,7 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
             )
         self._handles: dict[int, Any] = {}
         self._pid = os.getpid()
+        self._select: list[int | None] | None = None  # served layers: stored row, or None for the last hidden
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -732,12 +733,16 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
             raise IndexError(f"Index {i} out of range for {len(self._ids)} examples.")
         example_id = self._ids[i]
         f = self._handle(self._location[example_id])
+        layers = f.get_tensor(f"{example_id}.layers")
+        last = f.get_tensor(f"{example_id}.last_hidden")
+        if self._select is not None:
+            layers = torch.stack([last if row is None else layers[row] for row in self._select])
         return {
             "input_ids": f.get_tensor(f"{example_id}.input_ids").long(),
             "loss_mask": f.get_tensor(f"{example_id}.loss_mask").long(),
             "index": example_id,
-            "target_hidden_states": f.get_tensor(f"{example_id}.layers"),
-            "target_last_hidden": f.get_tensor(f"{example_id}.last_hidden"),
+            "target_hidden_states": layers,
+            "target_last_hidden": last,
         }
 
     @property
@@ -776,18 +781,26 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
             )
 
     def check_compatible(self, drafter_config) -> None:
-        """Checks that these features fit ``drafter_config`` (same target layer ids and hidden size).
+        """Checks that these features fit ``drafter_config`` and serves the drafter's layers, in its order.
+
+        A dump may hold more layers than one drafter reads (the union of several families' layers, dumped once): the
+        items then carry only ``drafter_config.target_layer_ids``. The target's final state
+        (``output_hidden_states[L]``, ``L = target_num_hidden_layers``) is always served, from the stored last
+        hidden state.
 
         Raises:
-            ValueError: if ``drafter_config.target_layer_ids`` or ``target_hidden_size`` disagree with the dump.
+            ValueError: if a layer the drafter reads is not in the dump, or ``target_hidden_size`` disagrees.
         """
         wanted = getattr(drafter_config, "target_layer_ids", None)
         wanted = None if wanted is None else [int(i) for i in wanted]
-        if wanted != self.layer_ids:
+        top = getattr(drafter_config, "target_num_hidden_layers", None)
+        stored = self.layer_ids
+        missing = [i for i in (wanted or []) if i not in stored and i != top]
+        if wanted is None or missing:
             raise ValueError(
-                f"Offline features in {self.path!r} hold target layers {self.layer_ids}, but the drafter reads "
-                f"target_layer_ids={wanted}. Re-dump the features with the drafter's layer ids "
-                f"(dump_features(..., layer_ids=drafter.config.target_layer_ids))."
+                f"Offline features in {self.path!r} hold target layers {stored} (and the final state), but the "
+                f"drafter reads target_layer_ids={wanted}. Re-dump the features with the drafter's layer ids, or with "
+                "the union of the layers of every drafter you train (dump_features(..., layer_ids=...))."
             )
         hidden = getattr(drafter_config, "target_hidden_size", None)
         if hidden is not None and int(hidden) != int(self._index["hidden_size"]):
@@ -796,6 +809,7 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
                 f"expects target_hidden_size={hidden}: they come from another target. Re-dump the features with "
                 "the drafter's target and layer ids."
             )
+        self._select = None if wanted == stored else [stored.index(i) if i in stored else None for i in wanted]
 
 
 def collate_offline(items: Sequence[dict], pad_token_id: int) -> dict:

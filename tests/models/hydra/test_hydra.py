@@ -18,7 +18,13 @@ class TestHydra(DrafterTesterMixin):
 
     def teacher_forced_draft_logits(self, drafter, input_ids, hidden_states, attention_mask, steps):
         (feats,) = drafter.select_target_features(hidden_states)
-        return drafter(feats, input_ids, steps)
+        return drafter(feats, input_ids, steps, attention_mask=attention_mask)
+
+
+class TestHydraPlusPlus(TestHydra):
+    """Hydra++: the prefix attention layer over the target's states, deeper heads, dropout (off in eval)."""
+
+    config_overrides = {"num_heads": 5, "num_layers": 2, "prefix_layer": True, "intermediate_size": 48, "dropout": 0.2}
 
 
 def _drafter(target, **kw):

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from ...configuration_utils import DrafterConfig, fill_heads_defaults, validate_heads
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from ...configuration_utils import (
+    DrafterConfig,
+    decoder_layer_defaults,
+    fill_decoder_layer_defaults,
+    fill_heads_defaults,
+    validate_decoder_layer,
+    validate_heads,
+)
 
 __all__ = ["HydraConfig"]
 
@@ -30,6 +41,10 @@ class HydraConfig(DrafterConfig):
         initializer_range (`float`): std of the residual projections and vocabulary projections before
             ``init_from_target``.
         num_draft_tokens (`int`, *optional*): default chain length, at most ``num_heads`` (default ``num_heads``).
+        prefix_layer (`bool`, defaults to `False`): Hydra++'s prefix attention: one decoder layer over the target's
+            hidden states (causal, with its own KV cache) whose output replaces ``h_t`` for the heads. Its shape
+            (``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``hidden_act``,
+            ``rms_norm_eps``, RoPE, ``attention_bias``) is one of the target's layers by :meth:`for_target`.
     """
 
     model_type = "hydra_drafter"
@@ -42,10 +57,26 @@ class HydraConfig(DrafterConfig):
     dropout: float = 0.0
     initializer_range: float = 0.02
     num_draft_tokens: int | None = None
+    prefix_layer: bool = False
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    rope_scaling_parameters: dict | None = None
+    attention_bias: bool = False
 
     def __post_init__(self, **kwargs):
         fill_heads_defaults(self)
+        fill_decoder_layer_defaults(self)
         super().__post_init__(**kwargs)
+
+    @classmethod
+    def architecture_defaults(cls, text_config: PretrainedConfig) -> dict[str, Any]:
+        return decoder_layer_defaults(text_config)  # the prefix layer's shape (used with prefix_layer=True)
 
     @classmethod
     def default_target_layer_ids(cls, num_layers: int) -> list[int]:
@@ -61,3 +92,5 @@ class HydraConfig(DrafterConfig):
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ValueError(f"{name}.dropout must be in [0, 1), got {self.dropout!r}.")
         validate_heads(self, require_complete, "Hydra heads read the target's hidden state and token embeddings")
+        if self.prefix_layer and (require_complete or self.is_bound_to_target_facts):
+            validate_decoder_layer(self, "the prefix layer reads the target's hidden states")

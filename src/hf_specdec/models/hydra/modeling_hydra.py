@@ -9,10 +9,11 @@ from torch import nn
 
 from ...generation.proposals import DraftInputs, Proposal, TokenSelector
 from ...heads import last_verified
+from ...layers import DraftAttention, GatedMLP, RMSNorm, RotaryEmbedding, SlotKVCache
 from ...modeling_utils import DrafterPreTrainedModel, ReducedVocabularyMixin, depthwise_distillation_loss
 from .configuration_hydra import HydraConfig
 
-__all__ = ["HydraForDrafting", "HydraHead", "HydraDraftState"]
+__all__ = ["HydraForDrafting", "HydraHead", "HydraPrefixLayer", "HydraDraftState"]
 
 
 class HydraHead(nn.Module):
@@ -38,6 +39,28 @@ class HydraHead(nn.Module):
         return self.lm_head(y)
 
 
+class HydraPrefixLayer(nn.Module):
+    """Hydra++'s prefix attention: a Llama decoder layer over the target's hidden states (with its own KV cache)."""
+
+    def __init__(self, config: HydraConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.self_attn = DraftAttention(
+            h, h, config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.attention_bias
+        )
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_act)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling_parameters, config.max_position_embeddings
+        )
+
+    def forward(self, hidden, position_ids, valid, cache: SlotKVCache):
+        cos, sin = self.rotary_emb(position_ids, hidden.dtype)
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, cache, valid)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
 @dataclass
 class HydraDraftState:
     last_hidden: torch.Tensor | None = None  # (batch, hidden): the target state at the last verified position
@@ -46,6 +69,7 @@ class HydraDraftState:
     level_inputs: torch.Tensor | None = None  # tree drafting: path embeddings of the last expanded level
     level_offset: int = 0  # index of that level's first node in expansion order
     expanded: int = 0  # nodes expanded so far in this tree
+    cache: SlotKVCache | None = None  # the prefix layer's KV cache (prefix_layer=True)
 
 
 class HydraForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
@@ -73,10 +97,13 @@ class HydraForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
             HydraHead((k + 2) * d, d, config.num_layers, config.draft_vocab_size, config.dropout)
             for k in range(config.num_heads)
         )
+        self.prefix = HydraPrefixLayer(config) if config.prefix_layer else None
         self.register_vocabulary_buffers(config)
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (RMSNorm, RotaryEmbedding)):
+            module.reset_parameters()
         if not isinstance(module, nn.Linear):
             return
         if getattr(module, "hydra_zero_init", False):
@@ -110,12 +137,33 @@ class HydraForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
         x = torch.cat([hidden, token_embeds.flatten(-2)], dim=-1)
         return self.heads[k](x.to(self.dtype))
 
-    def forward(self, target_hidden_states: torch.Tensor, input_ids: torch.LongTensor, steps: int | None = None):
+    def prefix_states(self, hidden: torch.Tensor, attention_mask=None, positions=None, cache=None) -> torch.Tensor:
+        """The states the heads read: the target's, or with ``prefix_layer`` the prefix layer's output over them
+        (causal; ``positions`` default to ``0..T-1``, a fresh cache unless ``cache`` is given)."""
+        if self.prefix is None:
+            return hidden
+        bsz, t, _ = hidden.shape
+        valid = (
+            torch.ones(bsz, t, dtype=torch.bool, device=hidden.device)
+            if attention_mask is None
+            else attention_mask.to(hidden.device).bool()
+        )
+        if positions is None:
+            positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
+        return self.prefix(hidden, positions.to(hidden.device), valid, cache if cache is not None else SlotKVCache())
+
+    def forward(
+        self,
+        target_hidden_states: torch.Tensor,
+        input_ids: torch.LongTensor,
+        steps: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ):
         """Teacher-forced logits over a sequence: a list over heads ``k < steps`` of ``(batch, seq, draft_vocab)``
         where anchor ``t`` (state at ``t``) reads the true tokens ``t + 1 .. t + 1 + k`` and predicts ``t + 2 + k``
         (anchors whose tokens run past the sequence read the last token and must be masked by the caller)."""
         steps = self.num_heads if steps is None else min(int(steps), self.num_heads)
-        hidden = target_hidden_states.to(device=self.device, dtype=self.dtype)
+        hidden = self.prefix_states(target_hidden_states.to(device=self.device, dtype=self.dtype), attention_mask)
         embeds = self.embed_target_tokens(input_ids)
         bsz, t, d = embeds.shape
         shifted = []
@@ -132,6 +180,11 @@ class HydraForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
 
     def observe(self, state: HydraDraftState, inputs: DraftInputs) -> None:
         (feats,) = self.select_target_features(inputs.hidden_states)
+        if self.prefix is not None:
+            if state.cache is None:
+                state.cache = SlotKVCache()
+            feats = self.prefix_states(feats, inputs.valid, inputs.position_ids, state.cache)
+            state.cache.compact()
         previous = None if state.last_hidden is None else (state.last_hidden, state.last_token)
         state.last_hidden, state.last_token = last_verified(feats, inputs, previous)
 
@@ -187,6 +240,6 @@ class HydraForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
         decay = float(loss_kwargs.get("decay") or cfg.loss_decay)
         loss_mask, soft, in_vocab, hard = self.loss_targets(batch, features, target_head, loss_kwargs, cfg.loss_labels)
         (hidden,) = features.hidden_states
-        outs = self(hidden, batch["input_ids"].to(self.device))
+        outs = self(hidden, batch["input_ids"].to(self.device), attention_mask=batch.get("attention_mask"))
         weights = [decay**j for j in range(len(outs))]
         return depthwise_distillation_loss(outs, soft, loss_mask, in_vocab, weights, self.num_heads, hard_targets=hard)
