@@ -171,3 +171,17 @@ def test_local_hub_refuses_what_the_hub_refuses(hub):
     assert hub.repos["org/r"]["revisions"]["main"] == {}  # the refused commits left nothing behind
     assert commit({"key": "lfsFile", "value": pointer}) == 200 and hub.lfs_paths("org/r") == {"model.safetensors": oid}
     assert call("GET", f"{hub.storage_endpoint}/lfs/{oid}", headers={"Range": "bytes=1000-"}) == (206, weights[1000:])
+
+
+def test_a_card_from_a_multi_drafter_bench_shows_only_its_own_rows():
+    from hf_specdec.cards import _results_table
+
+    def row(method, speedup):
+        return {"method": method, "kind": "drafter", "category": "all", "temperature": 0.0, "batch_size": 1,
+                "mean_accepted_length": 1.5, "speedup": speedup, "identical": True}  # fmt: skip
+
+    report = {"records": [row("medusa:medusa K=5", 1.04), row("hydra:hydra K=4", 1.07), row("hydra:hydra2 K=4", 1.5)]}
+    table, _ = _results_table(report, "hydra:hydra")
+    assert "hydra:hydra K=4" in table and "medusa" not in table and "hydra2" not in table
+    everything, _ = _results_table(report, "eagle3:other")  # no row of its own: the whole comparison
+    assert everything.count("\n") == 4

@@ -29,12 +29,17 @@ def _load_bench(bench: str | dict | None) -> dict | None:
     return report
 
 
-def _results_table(report: dict) -> tuple[str, bool]:
+def _results_table(report: dict, own_prefix: str | None = None) -> tuple[str, bool]:
+    """The card's results: the bench report's drafter rows, only this drafter's (method names start with
+    ``own_prefix``, ``"<family>:<folder>"``) when the report compares several drafters."""
     rows = [
         r
         for r in report["records"]
         if r.get("category", "all") == "all" and r.get("kind") == "drafter" and not r.get("skipped")
     ]
+    if own_prefix:
+        mine = [r for r in rows if str(r.get("method", "")).startswith(own_prefix + " ")]
+        rows = mine or rows
     if not rows:
         raise ValueError("The bench report has no measured drafter records to put in the card.")
     approximate = any(r.get("approximate") for r in rows)
@@ -105,7 +110,9 @@ def drafter_card(
                 f"{base_model!r} as its target. Pass the right base_model."
             )
     report = _load_bench(bench)
-    results, approximate = ("", False) if report is None else _results_table(report)
+    folder = os.path.basename(str(getattr(drafter, "name_or_path", "") or "").rstrip("/"))
+    prefix = f"{cfg.model_type.removesuffix('_drafter')}:{folder}" if folder else None
+    results, approximate = ("", False) if report is None else _results_table(report, prefix)
     own = sum(p.numel() for p in drafter.parameters())
     facts = [
         ("family", f"{spec.label} (`{type(drafter).__name__}`)"),
@@ -127,8 +134,9 @@ def drafter_card(
         training = [
             (
                 "data",
-                f"{data.get('source') or data.get('prompt_source') or '?'}: {data.get('examples', '?')} examples, "
-                f"{data.get('tokens', '?')} tokens"
+                f"{data.get('source') or data.get('prompt_source') or '?'}: "
+                f"{data.get('examples', data.get('num_examples', '?'))} examples, "
+                f"{data.get('tokens', data.get('total_tokens', '?'))} tokens"
                 + (f" ({data['answers']} self-distilled answers)" if data.get("answers") else ""),
             ),
             ("steps", str(record.get("steps"))),

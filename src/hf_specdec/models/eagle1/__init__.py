@@ -14,7 +14,7 @@ register_drafter(
     card_description=(
         "EAGLE-1 (Li et al. 2024) predicts the target's next top-layer feature from the current feature and the "
         "embedding of the next token with one decoder layer, and reads draft tokens off the target's own LM head; "
-        "it is trained with a feature regression loss plus 0.1 x cross-entropy. EAGLE-2's dynamic trees draft with "
+        "it is trained with a feature regression loss plus a tenth of the cross-entropy. EAGLE-2's dynamic trees draft with "
         "the same weights (tree='eagle2')."
     ),
 )
