@@ -206,3 +206,31 @@ def test_fasterdecoding_export_refuses_a_reduced_vocabulary(tmp_path):
     drafter = _drafter(target, draft_vocab_size=40)
     with pytest.raises(ValueError, match="full vocabulary"):
         export_drafter(drafter, str(tmp_path / "x"), "medusa-fasterdecoding")
+
+
+def test_typical_acceptance_on_the_medusa_tree_commits_only_typical_tokens():
+    """Medusa's opt-in approximate verifier on its 63-node tree: flagged approximate, and re-scored with a fresh
+    target pass every committed token is the target's argmax or passes p(x) > min(eps, delta * exp(-H(p)))."""
+    target = make_target("llama", seed=3)
+    drafter = _randomise(_drafter(target), scale=0.5).bind_target(target)
+    ids, mask = ragged_batch(2)
+    eps, delta = 0.2, 0.5
+    out = target.generate(
+        ids, attention_mask=mask, assistant_model=drafter, tree="medusa-63", verifier="typical",
+        typical_posterior_threshold=eps, typical_posterior_alpha=delta, max_new_tokens=16, do_sample=False,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    assert out.approximate and out.verifier == "typical"
+    seq = out.sequences
+    full_mask = torch.cat([mask, torch.ones(2, seq.shape[1] - ids.shape[1], dtype=mask.dtype)], dim=1)
+    pos = (full_mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        logits = target(seq, attention_mask=full_mask, position_ids=pos).logits.float()
+    p = torch.softmax(logits[:, ids.shape[1] - 1 : -1], -1)
+    new = seq[:, ids.shape[1] :]
+    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)
+    chosen = p.gather(-1, new[..., None])[..., 0]
+    typical = chosen > torch.clamp(delta * torch.exp(-entropy), max=eps)
+    greedy = new == p.argmax(-1)
+    assert bool((typical | greedy).all())
+    assert bool((~greedy).any())  # the check has teeth: some committed tokens are not the argmax
