@@ -27,6 +27,7 @@ __all__ = [
     "detect_layout",
     "import_drafter",
     "export_drafter",
+    "write_checkpoint",
 ]
 
 
@@ -64,6 +65,17 @@ def register_layout(layout: Layout) -> Layout:
         raise ValueError("A layout needs a name.")
     LAYOUTS[layout.name] = layout
     return layout
+
+
+def write_checkpoint(out_dir: str, config: dict, tensors: dict) -> None:
+    """Writes a foreign-layout checkpoint: ``config.json`` and ``model.safetensors`` (CPU, contiguous tensors)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(config, fh, indent=2)
 
 
 def _read_config(path: str) -> dict:

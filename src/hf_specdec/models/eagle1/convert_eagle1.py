@@ -8,10 +8,7 @@ embedding and LM head are the target's (an ``embed_tokens.weight`` in the file i
 
 from __future__ import annotations
 
-import json
-import os
-
-from ...convert import Layout, register_layout
+from ...convert import Layout, register_layout, write_checkpoint
 from .configuration_eagle1 import Eagle1Config
 from .modeling_eagle1 import Eagle1ForDrafting
 
@@ -75,15 +72,13 @@ def load_eagle1(config: dict, state: dict, target: dict) -> Eagle1ForDrafting:
 
 
 def save_eagle1(drafter: Eagle1ForDrafting, out_dir: str, target=None) -> None:
-    from safetensors.torch import save_file
-
     cfg = drafter.config
     if drafter.reduced_vocabulary:
         raise ValueError(
             "The EAGLE-1 layout drafts over the target's full LM head; this drafter restricts it to "
             f"{cfg.draft_vocab_size} tokens. Train one with the full vocabulary to export it."
         )
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items() if k not in ("d2t", "t2d")}
+    state = {k: v for k, v in drafter.state_dict().items() if k not in ("d2t", "t2d")}
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -102,10 +97,7 @@ def save_eagle1(drafter: Eagle1ForDrafting, out_dir: str, target=None) -> None:
         "vocab_size": cfg.target_vocab_size,
         "bias": cfg.fc_bias,
     }
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as fh:
-        json.dump(config, fh, indent=2)
-    save_file(state, os.path.join(out_dir, "model.safetensors"))
+    write_checkpoint(out_dir, config, state)
 
 
 register_layout(

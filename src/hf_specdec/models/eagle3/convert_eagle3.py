@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from ...convert import Layout, register_layout
+from ...convert import Layout, register_layout, write_checkpoint
 from ...layers import rope_scaling_from_config
 from .configuration_eagle3 import Eagle3Config
 from .modeling_eagle3 import Eagle3ForDrafting
@@ -345,8 +345,6 @@ def _safeailab_rope_scaling(cfg: Eagle3Config) -> dict | None:
 
 def save_eagle3(drafter: Eagle3ForDrafting, out_dir: str, layer_prefix: str, with_t2d: bool, target=None) -> None:
     """Writes ``config.json`` + ``model.safetensors``; with ``target``, the target's token embeddings too."""
-    from safetensors.torch import save_file
-
     tensors = {}
     for key, value in drafter.state_dict().items():
         if key == "t2d" and not with_t2d:
@@ -361,9 +359,7 @@ def save_eagle3(drafter: Eagle3ForDrafting, out_dir: str, layer_prefix: str, wit
         if tuple(emb.shape) != want:
             raise ValueError(f"The target's embeddings are {tuple(emb.shape)}, the drafter expects {want}.")
         tensors["embed_tokens.weight"] = emb.detach().to(drafter.dtype).cpu().contiguous()
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as fh:
-        json.dump(config, fh, indent=2)
+    write_checkpoint(out_dir, config, tensors)
 
 
 def _save_safeailab(drafter: Eagle3ForDrafting, out_dir: str, target) -> None:

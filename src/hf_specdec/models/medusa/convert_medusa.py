@@ -11,13 +11,11 @@
 
 from __future__ import annotations
 
-import json
-import os
 import re
 
 import torch
 
-from ...convert import Layout, register_layout
+from ...convert import Layout, register_layout, write_checkpoint
 from .configuration_medusa import MedusaConfig
 from .modeling_medusa import MedusaForDrafting
 
@@ -127,14 +125,6 @@ def load_vllm(config: dict, state: dict, target: dict) -> MedusaForDrafting:
     return _load_into(drafter, blocks, heads, token_map if draft_vocab < vocab else None)
 
 
-def _write(out_dir: str, config: dict, state: dict) -> None:
-    from safetensors.torch import save_file
-
-    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as fh:
-        json.dump(config, fh, indent=2)
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"))
-
-
 def save_fasterdecoding(drafter: MedusaForDrafting, out_dir: str, target=None) -> None:
     cfg = drafter.config
     if drafter.reduced_vocabulary:
@@ -156,7 +146,7 @@ def save_fasterdecoding(drafter: MedusaForDrafting, out_dir: str, target=None) -
         "medusa_num_layers": cfg.num_layers,
         "base_model_name_or_path": cfg.target_model_name_or_path,
     }
-    _write(out_dir, config, state)
+    write_checkpoint(out_dir, config, state)
 
 
 def save_vllm(drafter: MedusaForDrafting, out_dir: str, target=None) -> None:
@@ -182,7 +172,7 @@ def save_vllm(drafter: MedusaForDrafting, out_dir: str, target=None) -> None:
         "original_lm_head": False,
         "logit_scale": 1.0,
     }
-    _write(out_dir, config, state)
+    write_checkpoint(out_dir, config, state)
 
 
 register_layout(
