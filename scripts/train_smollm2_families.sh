@@ -5,23 +5,28 @@
 #   features  dumped once (`hf-specdec dump-features`) for the union of the layers the families read: EAGLE-3's
 #             [2, 15, 27] plus the final state every other family reads, which the dump always stores;
 #   training  `hf-specdec train --features ...` per family, same steps, batch, learning rate and 4096-token draft
-#             vocabulary; resumable (rerun the script: finished families are skipped, a killed one resumes).
+#             vocabulary (EAGLE-3 included, so it meets the others on an equal budget); Medusa-2 trains a LoRA adapter
+#             on the target with its heads, which changes the target's features, so it reads the same answers with
+#             online features (`--data`); resumable (rerun the script: finished families are skipped, a killed one
+#             resumes).
 # Outputs: runs/smollm2-families/<family>/ (drafter folders with training_record.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/smollm2-families}
 DATA=${DATA:-runs/smollm2-assistant/regenerated.jsonl}
 STEPS=${STEPS:-300}
-FAMILIES=${FAMILIES:-medusa hydra blockwise eagle1}
+FAMILIES=${FAMILIES:-medusa hydra blockwise eagle1 eagle3 medusa2}
 test -f "$DATA" || python scripts/train_smollm2_assistant.py --out runs/smollm2-assistant  # writes the answers first
-hf-specdec dump-features --target smollm2 --data "$DATA" --output-dir "$RUN/features" --layer-ids 2 15 27 \
+test -f "$RUN/features/index.json" || hf-specdec dump-features --target smollm2 --data "$DATA" --output-dir "$RUN/features" --layer-ids 2 15 27 \
     --max-length 512 --batch-size 8
 for family in $FAMILIES; do
     out="$RUN/$family"
     if [ -f "$out/training_record.json" ]; then echo "$family: done"; continue; fi
     resume=()
     if ls -d "$out"/checkpoint-* >/dev/null 2>&1; then resume=(--resume); fi
-    hf-specdec train --target smollm2 --drafter "$family" --features "$RUN/features" --output-dir "$out" \
+    source=(--features "$RUN/features")
+    if [ "$family" = medusa2 ]; then source=(--data "$DATA" --max-length 512); fi
+    hf-specdec train --target smollm2 --drafter "$family" "${source[@]}" --output-dir "$out" \
         --draft-vocab-size 4096 --max-steps "$STEPS" --batch-size 8 --lr 1e-3 --save-steps 100 --eval-steps 100 \
         --logging-steps 20 --report-to none "${resume[@]}"
 done

@@ -140,3 +140,24 @@ def test_a_demo_target_name_is_a_target(tmp_path):
                 "--max-new-tokens", "4"]) == 0  # fmt: skip
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert record["regenerated"] is True and record["response"]
+
+
+def test_config_overrides_of_a_fresh_drafter_are_parsed_and_checked():
+    import argparse
+
+    from helpers import make_target
+
+    from hf_specdec.cli import _drafter_overrides
+    from hf_specdec.registry import default_drafter_spec
+    from hf_specdec.training.recipes import make_drafter
+
+    args = argparse.Namespace(config=["num_draft_tokens=2", "target_layer_ids=[0, 1, 2]"], num_draft_tokens=None)
+    overrides = _drafter_overrides(args)
+    assert overrides == {"num_draft_tokens": 2, "target_layer_ids": [0, 1, 2]}
+    target = make_target("llama")
+    family = default_drafter_spec().name
+    assert make_drafter(target, family, **overrides).config.num_draft_tokens == 2
+    with pytest.raises(ValueError, match=r"no field\(s\) \['num_draft_tokenz'\]"):  # a typo is not kept silently
+        make_drafter(target, family, num_draft_tokenz=2)
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        _drafter_overrides(argparse.Namespace(config=["oops"]))

@@ -68,22 +68,32 @@ def _drafter_overrides(args) -> dict:
         out["draft_vocab_size"] = args.draft_vocab_size
     if getattr(args, "layer_ids", None):
         out["target_layer_ids"] = args.layer_ids
+    for item in getattr(args, "config", None) or []:  # --config KEY=VALUE (VALUE read as JSON, else a string)
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--config expects KEY=VALUE, got {item!r}")
+        out[key] = _json_or_text(value)
     return out
+
+
+def _json_or_text(value: str):
+    import json
+
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
 
 
 def _loss_kwargs(args) -> dict | None:
     """``--loss-kwarg KEY=VALUE`` (VALUE read as JSON, else a string) and ``--ttt-steps N`` (loss kwarg ``steps``)."""
-    import json
 
     out = {}
     for item in getattr(args, "loss_kwarg", None) or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SystemExit(f"--loss-kwarg expects KEY=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
+        out[key] = _json_or_text(value)
     if getattr(args, "ttt_steps", None):
         out["steps"] = args.ttt_steps
     return out or None
@@ -204,7 +214,13 @@ def _demo_target_of(args):
 
 def _bench_methods(args, target):
     from .auto import AutoModelForDrafting
-    from .bench.runner import assisted_method, drafter_method, plain_method, prompt_lookup_method
+    from .bench.runner import (
+        adapted_target_methods,
+        assisted_method,
+        drafter_method,
+        plain_method,
+        prompt_lookup_method,
+    )
     from .demo import demo_drafter_path
 
     shortcut = _demo_target_of(args)
@@ -214,7 +230,11 @@ def _bench_methods(args, target):
     methods = [plain_method()]
     for path in drafters:
         drafter = AutoModelForDrafting.from_pretrained(path).eval()
-        drafter.check_target_compatibility(target)
+        first = len(methods)
+        adapted = None
+        if drafter.config.target_adapter:  # a target adapter: its rows run on the adapted target (a second copy of it)
+            adapted = drafter.adapt_target(_bench_target(args)[0])
+        drafter.check_target_compatibility(adapted if adapted is not None else target)
         for tree in args.tree or ["chain"]:
             draft_options = _tree_options(args, tree)
             chain = tree == "chain"
@@ -243,6 +263,8 @@ def _bench_methods(args, target):
                             lookup_tokens=(args.lookup_tokens or [None])[0] if chain else None,
                         )
                     )
+        if adapted is not None:
+            methods[first:] = adapted_target_methods(drafter, adapted, methods[first:])
     if not args.no_peers:
         assistant = args.assistant
         if assistant is None and shortcut is not None and shortcut.assistant and os.path.isdir(shortcut.assistant):
@@ -791,6 +813,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--draft-vocab-size", type=int, default=None)
     p.add_argument("--layer-ids", type=int, nargs="+", default=None)
+    p.add_argument(
+        "--config",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a config field of a fresh drafter (e.g. num_draft_tokens=3; VALUE read as JSON)",
+    )
     p.add_argument("--save-steps", type=int, default=200)
     p.add_argument("--eval-steps", type=int, default=100)
     p.add_argument("--logging-steps", type=int, default=10)

@@ -4,9 +4,13 @@ A draft decoder layer reads, for each slot, the embedding of the next token and 
 state for verified slots, the layer's own previous output for drafted ones. The family provides:
 
 * ``fuse_target_features(features)``: the target states it reads -> ``(batch, seq, hidden)`` features;
-* ``draft_layer(embeds, hidden, cos, sin, cache, valid, attn_mask=None)``: the layer over a
-  :class:`~hf_specdec.layers.SlotKVCache`;
+* ``draft_layer(embeds, hidden, cos, sin, cache, valid, attn_mask=None, step=None)``: the layer over a
+  :class:`~hf_specdec.layers.SlotKVCache`; ``step`` is ``None`` for verified context and ``j >= 1`` for the draft step
+  that produces draft token ``j`` (0-based; token 0 comes from the verified context), so a family with one module
+  per step can pick it;
 * ``draft_logits(out)``: draft-vocabulary logits of layer outputs; ``rotary_emb``: its rotary embedding;
+* optionally ``new_draft_cache()`` (default: one :class:`~hf_specdec.layers.SlotKVCache`) and
+  ``draft_cache_index(step)`` (default 0): families whose steps write to different caches say which;
 
 and mixes in :class:`~hf_specdec.modeling_utils.ReducedVocabularyMixin`. This mixin gives the draft state, ``observe``,
 chain ``propose`` (with an optional confidence stop) and tree drafting (``tree_start`` / ``tree_expand``).
@@ -34,6 +38,7 @@ class FeatureDraftState:
     last_logits: torch.Tensor | None = None  # (batch, draft_vocab)
     last_position: torch.Tensor | None = None  # (batch,)
     tree_hidden: torch.Tensor | None = None  # (batch, expanded nodes, hidden) while a tree is being drafted
+    tree_nodes: dict | None = None  # draft cache index -> the expanded nodes whose slots it holds, in order
     confidence_threshold: float | None = None  # stop a row's chain when the draft's top probability falls below
 
 
@@ -44,10 +49,18 @@ class FeatureAutoregressiveMixin:
     supports_tree_drafting = True
     draft_options = {"draft_confidence_threshold": None}
 
-    def _step(self, embeds, hidden, position_ids, valid, cache: SlotKVCache):
+    def _step(self, embeds, hidden, position_ids, valid, cache: SlotKVCache, step: int | None = None):
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
-        out = self.draft_layer(embeds, hidden, cos, sin, cache, valid)
+        out = self.draft_layer(embeds, hidden, cos, sin, cache, valid, step=step)
         return out, self.draft_logits(out)
+
+    def new_draft_cache(self):
+        """The draft KV cache of one ``generate`` call (needs ``length``, ``valid``, ``crop`` and ``compact``)."""
+        return SlotKVCache()
+
+    def draft_cache_index(self, step: int) -> int:
+        """Which of the draft cache's slot sequences draft step ``step`` writes to (one cache: 0)."""
+        return 0
 
     # ------------------------------------------------------------------------------------------------------------
     # proposal interface
@@ -59,7 +72,7 @@ class FeatureAutoregressiveMixin:
             raise ValueError(
                 f"draft_confidence_threshold must be a probability in [0, 1], got {draft_confidence_threshold!r}."
             )
-        return FeatureDraftState(cache=SlotKVCache(), confidence_threshold=draft_confidence_threshold)
+        return FeatureDraftState(cache=self.new_draft_cache(), confidence_threshold=draft_confidence_threshold)
 
     def observe(self, state: FeatureDraftState, inputs: DraftInputs) -> None:
         # Drop the speculative slots of the last proposal; the verified slots below replace them.
@@ -109,7 +122,7 @@ class FeatureAutoregressiveMixin:
                 break
             pos = (state.last_position + 1 + depth)[:, None]
             out, step_logits = self._step(
-                self.embed_target_tokens(tok[:, None]), hidden[:, None], pos, ones, state.cache
+                self.embed_target_tokens(tok[:, None]), hidden[:, None], pos, ones, state.cache, step=depth + 1
             )
             hidden, logits = out[:, 0], step_logits[:, 0]
         draft_probs = torch.stack(probs, dim=1) if probs and probs[0] is not None else None
@@ -127,6 +140,7 @@ class FeatureAutoregressiveMixin:
         """Root of a tree proposal: the draft distribution after the last verified token."""
         state.cache.crop(state.committed_slots)  # drop the slots of an earlier tree or chain proposal
         state.tree_hidden = None
+        state.tree_nodes = {}
         reduced = self.config.draft_vocab_size != self.config.target_vocab_size
         return state.last_logits, (self.draft_token_ids if reduced else None)
 
@@ -146,21 +160,25 @@ class FeatureAutoregressiveMixin:
             )
         committed = state.committed_slots
         expanded = 0 if state.tree_hidden is None else state.tree_hidden.shape[1]
+        step = int(expansion.depth)
+        # the nodes already in the cache this step writes to (all expanded nodes with one cache), in slot order
+        earlier = state.tree_nodes.setdefault(self.draft_cache_index(step), [])
         valid_prev = (
             state.cache.valid[:, :committed] if committed else torch.zeros(bsz, 0, dtype=torch.bool, device=dev)
         )
         mask = torch.cat(
             [
                 valid_prev[:, None].expand(bsz, m, committed),
-                expansion.ancestors.to(dev)[:, :, :expanded],
+                expansion.ancestors.to(dev)[:, :, :expanded][:, :, earlier],
                 torch.eye(m, dtype=torch.bool, device=dev)[None].expand(bsz, m, m),
             ],
             dim=2,
         )
+        earlier.extend(range(expanded, expanded + m))
         pos = (state.last_position + expansion.depth)[:, None].expand(bsz, m)
         cos, sin = self.rotary_emb(pos, parent_hidden.dtype)
         embeds = self.embed_target_tokens(expansion.tokens)
         ones = torch.ones(bsz, m, dtype=torch.bool, device=dev)
-        out = self.draft_layer(embeds, parent_hidden, cos, sin, state.cache, ones, attn_mask=mask)
+        out = self.draft_layer(embeds, parent_hidden, cos, sin, state.cache, ones, attn_mask=mask, step=step)
         state.tree_hidden = out if state.tree_hidden is None else torch.cat([state.tree_hidden, out], dim=1)
         return self.draft_logits(out).float()

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
@@ -722,6 +723,16 @@ class ReducedVocabularyMixin:
         # Ties (and never-seen ids) are broken by id, so the choice is deterministic.
         order = torch.argsort(-counts, stable=True)
         self.set_draft_vocab(order[: self.config.draft_vocab_size])
+
+    def target_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's (borrowed) LM head on ``hidden``, restricted to the draft vocabulary's rows when it is
+        reduced; on ``hidden``'s device."""
+        head = self._borrowed("lm_head")
+        weight, bias = head.weight, getattr(head, "bias", None)
+        if self.reduced_vocabulary:
+            ids = self.draft_token_ids.to(weight.device)
+            weight, bias = weight[ids], None if bias is None else bias[ids]
+        return F.linear(hidden.to(device=weight.device, dtype=weight.dtype), weight, bias).to(hidden.device)
 
     @torch.no_grad()
     def copy_target_head_rows(self, target: nn.Module, heads: list[nn.Linear]) -> bool:

@@ -292,6 +292,14 @@ def _markdown_document(report: dict, records: list[dict], png_name: str) -> str:
             "mismatch breaks the identity promise.",
             "",
         ]
+    references = sorted({r["reference"] for r in records if r.get("reference")})
+    if references:
+        parts += [
+            "Rows of a drafter trained with a target adapter run on the adapted target: their Identical "
+            f"column compares them with that target's own plain decoding ({', '.join(references)}), their speedups "
+            "are against plain `generate` of the unadapted target.",
+            "",
+        ]
     has_all = any(r.get("category", "all") == "all" for r in records)
     parts += ["## All prompts" if has_all else "## Results", "", markdown_table(report, "all" if has_all else None), ""]
 

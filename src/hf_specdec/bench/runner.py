@@ -62,6 +62,7 @@ __all__ = [
     "classify_divergence",
     "near_tie_tolerance",
     "plain_method",
+    "adapted_target_methods",
     "drafter_method",
     "assisted_method",
     "prompt_lookup_method",
@@ -82,6 +83,10 @@ class BenchMethod:
         generate_kwargs: extra keyword arguments for ``target.generate``.
         max_batch_size: largest batch the method supports (transformers' speculative methods: 1).
         approximate: outputs may deviate from the target's own decoding (approximate verifiers).
+        target: the model ``generate`` runs on, when not the benchmark's target: the adapted target of a drafter
+            trained with a target adapter. Speedups stay against the benchmark's plain ``generate``.
+        reference: name of the plain method whose greedy outputs this method must reproduce (default: the
+            benchmark's plain ``generate``; a plain method is its own reference).
     """
 
     name: str
@@ -90,6 +95,8 @@ class BenchMethod:
     generate_kwargs: dict = field(default_factory=dict)
     max_batch_size: int | None = None
     approximate: bool = False
+    target: Any = None
+    reference: str | None = None
 
     def skip_reason(self, batch_size: int, do_sample: bool) -> str | None:
         if self.max_batch_size is not None and batch_size > self.max_batch_size:
@@ -99,8 +106,25 @@ class BenchMethod:
         return None
 
 
-def plain_method() -> BenchMethod:
-    return BenchMethod(name="plain", kind="plain")
+def plain_method(name: str = "plain", target=None) -> BenchMethod:
+    """Plain ``target.generate`` (the baseline); with ``target``, plain decoding of that model (e.g. an adapted
+    target), the reference its own drafter rows are checked against."""
+    return BenchMethod(name=name, kind="plain", target=target, reference=name if target is not None else None)
+
+
+def adapted_target_methods(drafter, adapted_target, methods: list[BenchMethod]) -> list[BenchMethod]:
+    """Puts ``methods`` of a drafter trained with a target adapter (``drafter.adapt_target(target)``) on
+    ``adapted_target``, after a plain row of that adapted target: their greedy outputs are checked against it,
+    their speedups stay against the benchmark's plain ``generate`` of the unadapted target.
+
+    ``adapted_target`` must be its own copy of the target: peft injects the adapter into the model it wraps, so an
+    adapter on the benchmark's own target would change its plain baseline too."""
+    drafter.check_target_adapter(adapted_target)
+    source = os.path.basename(str(getattr(drafter, "name_or_path", "") or "").rstrip("/")) or "drafter"
+    reference = plain_method(name=f"plain:adapted({source})", target=adapted_target)
+    for method in methods:
+        method.target, method.reference = adapted_target, reference.name
+    return [reference, *methods]
 
 
 def drafter_method(
@@ -421,9 +445,20 @@ def run_benchmark(
     if len(set(names)) != len(names):
         raise ValueError(f"Method names must be unique, got {names}.")
     methods = list(methods)
-    if not any(m.kind == "plain" for m in methods):
+    if not any(m.kind == "plain" and m.target is None for m in methods):
         methods.insert(0, plain_method())
-    plain_name = next(m.name for m in methods if m.kind == "plain")
+    plain_name = next(m.name for m in methods if m.kind == "plain" and m.target is None)
+    by_name = {m.name: m for m in methods}
+    reference_of = {m.name: m.reference or plain_name for m in methods}
+    for name, ref in reference_of.items():
+        if by_name.get(ref) is None or by_name[ref].kind != "plain" or by_name[ref].target is not by_name[name].target:
+            raise ValueError(
+                f"Method {name!r} must be checked against a plain method of the same model, got reference {ref!r}; "
+                "build adapted-target rows with adapted_target_methods()."
+            )
+
+    def model_of(method: BenchMethod):
+        return target if method.target is None else method.target
 
     device = target.get_output_embeddings().weight.device
     input_device = target.get_input_embeddings().weight.device
@@ -455,7 +490,13 @@ def run_benchmark(
             mask[i, width - s.numel() :] = 1
         return ids.to(input_device), mask.to(input_device)
 
-    target_counter = _Counter(target, timed=False)
+    # target forwards per generating model (a peft-wrapped target counts its base model's forwards)
+    target_counters = {}
+    for method in methods:
+        model = model_of(method)
+        if id(model) not in target_counters:
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            target_counters[id(model)] = _Counter(base, timed=False)
     assistant_counters = {m.name: _Counter(m.model, timed=True) for m in methods if m.kind == "assisted"}
 
     def method_kwargs(method: BenchMethod, temperature: float) -> dict:
@@ -474,11 +515,12 @@ def run_benchmark(
         counter = assistant_counters.get(method.name)
         if counter is not None:
             counter.reset()
+        target_counter = target_counters[id(model_of(method))]
         target_counter.reset()
         torch.manual_seed(run_seed)
         _sync(device)
         t0 = time.perf_counter()
-        out = target.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        out = model_of(method).generate(input_ids=ids, attention_mask=mask, **kwargs)
         _sync(device)
         seconds = time.perf_counter() - t0
         sequences = out.sequences if hasattr(out, "sequences") else out
@@ -538,17 +580,22 @@ def run_benchmark(
                     bar.update(len(methods) - len(active))
     finally:
         bar.close()
-        target_counter.remove()
+        for counter in target_counters.values():
+            counter.remove()
         for counter in assistant_counters.values():
             counter.remove()
 
-    # Quality of approximate methods: the target's log-likelihood of what each method generated (plain included).
-    scored = {plain_name} | {m.name for m in methods if m.approximate}
-    if len(scored) > 1:
+    # Quality of approximate methods: the target's log-likelihood of what each method generated (their plain
+    # references included), under the model they generate for.
+    approximate = [m for m in methods if m.approximate]
+    scored = {m.name for m in approximate} | {reference_of[m.name] for m in approximate}
+    if approximate:
         for (name, temperature, bsz, b_idx), runs in results.items():
             if name in scored and temperature == 0:
                 ids, mask = make_inputs(batches_of[bsz][b_idx])
-                runs[0].target_logprob = _target_logprob(target, runs[0].sequences, mask, eos_ids, input_device)
+                runs[0].target_logprob = _target_logprob(
+                    model_of(by_name[name]), runs[0].sequences, mask, eos_ids, input_device
+                )
 
     if scorer is not None:  # task accuracy of every method's first-repeat outputs (untimed)
         for (_, _, bsz, b_idx), runs in results.items():
@@ -559,27 +606,29 @@ def run_benchmark(
             ]
             run.task_scores = [bool(scorer(item, text)) for item, text in zip(batches_of[bsz][b_idx], texts)]
 
-    # Greedy mismatches: each output that differs from plain's, classified at its first divergent token (untimed).
+    # Greedy mismatches: each output that differs from its plain reference's, classified at its first divergent
+    # token (untimed).
     rounding_dtype = _rounding_dtype(target)
-    baseline = next(m for m in methods if m.name == plain_name)
-    for temperature, bsz in settings:
-        if temperature > 0:
+    for temperature, bsz, baseline in [(t, b, m) for t, b in settings for m in methods if m.kind == "plain"]:
+        if temperature > 0 or reference_of[baseline.name] != baseline.name:
             continue
         for b_idx, batch in enumerate(batches_of[bsz]):
-            plain_runs = results.get((plain_name, temperature, bsz, b_idx))
+            plain_runs = results.get((baseline.name, temperature, bsz, b_idx))
             if not plain_runs:
                 continue
             plain_runs[0].divergences = []
             found = {}
             for method in methods:
                 runs = results.get((method.name, temperature, bsz, b_idx))
-                if method.name != plain_name and runs:
+                if method.name != baseline.name and reference_of[method.name] == baseline.name and runs:
                     found[method.name] = _first_divergences(plain_runs[0], runs[0], eos_ids)
             step_logits = {}
             if any(found.values()):
                 ids, mask = make_inputs(batch)
                 kwargs = method_kwargs(baseline, temperature)
-                step_logits = _plain_step_logits(target, plain_runs[0], ids, mask, kwargs, found, eos_ids, input_device)
+                step_logits = _plain_step_logits(
+                    model_of(baseline), plain_runs[0], ids, mask, kwargs, found, eos_ids, input_device
+                )
             for name, divergences in found.items():
                 for div in divergences:
                     logits, div["source"] = step_logits[(div["row"], div["position"])]
@@ -616,7 +665,19 @@ def run_benchmark(
                 if key in skipped:
                     records.append({**base, "skipped": skipped[key]})
                     continue
-                rec = _aggregate(results, method.name, temperature, bsz, idx, plain, plain_name, half=half)
+                rec = _aggregate(
+                    results,
+                    method.name,
+                    temperature,
+                    bsz,
+                    idx,
+                    plain,
+                    reference_of[method.name],
+                    half=half,
+                    plain_row=method.kind == "plain",
+                )
+                if reference_of[method.name] != plain_name:
+                    rec["reference"] = reference_of[method.name]
                 records.append({**base, **rec})
 
     report_config = {
@@ -634,7 +695,15 @@ def run_benchmark(
         "num_prompts": len(prompts),
         "categories": sorted({item.category for item in prompts}),
         "max_prompt_tokens": max_prompt_tokens,
-        "methods": [{"name": m.name, "kind": m.kind, **_describe_kwargs(m.generate_kwargs)} for m in methods],
+        "methods": [
+            {
+                "name": m.name,
+                "kind": m.kind,
+                **_describe_kwargs(m.generate_kwargs),
+                **({"reference": reference_of[m.name]} if reference_of[m.name] != plain_name else {}),
+            }
+            for m in methods
+        ],
     }
     report_config.update(config or {})
     return {"hardware": hardware_info(device), "config": report_config, "records": records}
@@ -755,7 +824,11 @@ def _describe_kwargs(kwargs: dict) -> dict:
     return out
 
 
-def _aggregate(results, name, temperature, bsz, idx, plain: dict | None, plain_name: str, half: bool = False) -> dict:
+def _aggregate(
+    results, name, temperature, bsz, idx, plain: dict | None, reference: str, half: bool = False, plain_row=False
+) -> dict:
+    """One record's measurements: speed against ``plain`` (the baseline's record; ``None``: this is the baseline),
+    greedy identity against the ``reference`` method's outputs; ``plain_row``: plain decoding (tau 1)."""
     runs = [r for i in idx for r in results.get((name, temperature, bsz, i), [])]
     seconds = sum(r.seconds for r in runs)
     tokens = sum(r.new_tokens for r in runs)
@@ -796,7 +869,7 @@ def _aggregate(results, name, temperature, bsz, idx, plain: dict | None, plain_n
         calls = sum(r.assistant_calls for r in runs)
         if calls and step_s:
             cost = sum(r.assistant_s for r in runs) / calls / step_s
-    if rec.get("step_s") is not None:  # plain decoding
+    if rec.get("step_s") is not None or plain_row:  # plain decoding
         tau = 1.0
     bound = None
     limits = []
@@ -816,7 +889,7 @@ def _aggregate(results, name, temperature, bsz, idx, plain: dict | None, plain_n
         details = []
         complete = True
         for i in idx:
-            plain_run = results.get((plain_name, temperature, bsz, i), [])[:1]
+            plain_run = results.get((reference, temperature, bsz, i), [])[:1]
             mine = results.get((name, temperature, bsz, i), [])[:1]
             if not plain_run or not mine:
                 complete = False

@@ -1,12 +1,13 @@
 """Drafter families, one folder each. Importing this module registers every family (each folder's ``__init__``
 makes its one ``register_drafter`` call and registers its checkpoint layouts)."""
 
-from . import blockwise, eagle1, eagle3, hydra, medusa
+from . import blockwise, eagle1, eagle3, hydra, medusa, mtp
 from .blockwise import BlockwiseConfig, BlockwiseForDrafting
 from .eagle1 import Eagle1Config, Eagle1ForDrafting
 from .eagle3 import Eagle3Config, Eagle3ForDrafting
 from .hydra import HydraConfig, HydraForDrafting
 from .medusa import Medusa2Config, Medusa2ForDrafting, MedusaConfig, MedusaForDrafting
+from .mtp import MtpConfig, MtpForDrafting
 
 # Public names re-exported by ``hf_specdec`` (it never names a family itself).
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "eagle3",
     "hydra",
     "medusa",
+    "mtp",
     "BlockwiseConfig",
     "BlockwiseForDrafting",
     "Eagle1Config",
@@ -27,4 +29,6 @@ __all__ = [
     "MedusaForDrafting",
     "Medusa2Config",
     "Medusa2ForDrafting",
+    "MtpConfig",
+    "MtpForDrafting",
 ]

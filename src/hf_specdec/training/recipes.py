@@ -38,7 +38,14 @@ def make_drafter(target, drafter: Any = None, **config_overrides):
     if isinstance(drafter, DrafterPreTrainedModel):
         model = drafter
     elif isinstance(drafter, str) and drafter in DRAFTERS:
-        config = DRAFTERS[drafter].config_class.for_target(target.config, **config_overrides)
+        config_class = DRAFTERS[drafter].config_class
+        known = {k for cls in config_class.__mro__ for k in getattr(cls, "__annotations__", {})}
+        unknown = sorted(set(config_overrides) - known)
+        if unknown:  # a PretrainedConfig would keep a misspelt field silently
+            raise ValueError(
+                f"{config_class.__name__} has no field(s) {unknown}; its fields: {sorted(k for k in known if not k.startswith('_'))}."
+            )
+        config = config_class.for_target(target.config, **config_overrides)
         model = AutoModelForDrafting.from_config(config)
     elif isinstance(drafter, (str, os.PathLike)):
         if config_overrides:

@@ -56,3 +56,52 @@ def test_adapter_round_trip_and_generation_with_the_adapted_target(tmp_path):
         ),
         adapted.generate(ids, **kw),
     )
+
+    # The benchmark runs the drafter's rows on the adapted target (a copy: peft adapts the model it wraps in place),
+    # checks them against that target's own plain decoding, and times them against the unadapted target's.
+    from helpers import char_tokenizer
+
+    from hf_specdec.bench.prompts import PromptItem
+    from hf_specdec.bench.runner import (
+        BenchMethod,
+        adapted_target_methods,
+        drafter_method,
+        plain_method,
+        run_benchmark,
+    )
+
+    bench_target = make_target("llama", seed=2, sharpen=20.0)
+    with pytest.raises(ValueError, match="adapt_target"):  # the unadapted copy is refused as the rows' target
+        adapted_target_methods(loaded, bench_target, [drafter_method(loaded, name="heads")])
+    prompts = [PromptItem(id=str(i), category="c", text=t) for i, t in enumerate(["abcab", "hello", "01230"])]
+    rows = adapted_target_methods(loaded, adapted, [drafter_method(loaded, name="heads", lookup_tokens=0)])
+    report = run_benchmark(
+        bench_target, char_tokenizer(), [plain_method(), *rows], prompts, max_new_tokens=10, warmup=0, progress=False
+    )
+    rec = {r["method"]: r for r in report["records"] if r["category"] == "all"}
+    reference = "plain:adapted(out)"
+    assert set(rec) == {"plain", reference, "heads"}
+    assert rec["heads"]["reference"] == reference and rec["heads"]["identical"] is True
+    # ... which has teeth: the adapter changes the greedy outputs, so checked against plain they would differ
+    tok = char_tokenizer()
+    encoded = [tok(p.text, return_tensors="pt").input_ids for p in prompts]
+    assert any(
+        not torch.equal(
+            adapted.generate(x, max_new_tokens=10, do_sample=False),
+            bench_target.generate(x, max_new_tokens=10, do_sample=False),
+        )
+        for x in encoded
+    )
+    assert rec[reference]["mean_accepted_length"] == 1.0 and rec[reference]["identical"] is True
+    assert rec["heads"]["target_forwards"] > 0 and rec["heads"]["mean_accepted_length"] >= 1.0
+    assert {m["name"]: m.get("reference") for m in report["config"]["methods"]}["heads"] == reference
+    with pytest.raises(ValueError, match="same model"):  # a row on the adapted target checked against the plain one
+        run_benchmark(
+            bench_target,
+            char_tokenizer(),
+            [plain_method(), BenchMethod(name="x", kind="drafter", model=loaded, target=adapted, reference="plain")],
+            prompts,
+            max_new_tokens=4,
+            warmup=0,
+            progress=False,
+        )

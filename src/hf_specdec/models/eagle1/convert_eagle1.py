@@ -9,6 +9,7 @@ embedding and LM head are the target's (an ``embed_tokens.weight`` in the file i
 from __future__ import annotations
 
 from ...convert import Layout, register_layout, write_checkpoint
+from ...layers import rope_scaling_from_config
 from .configuration_eagle1 import Eagle1Config
 from .modeling_eagle1 import Eagle1ForDrafting
 
@@ -38,7 +39,7 @@ def load_eagle1(config: dict, state: dict, target: dict) -> Eagle1ForDrafting:
         raise ValueError(
             f"This EAGLE-1 drafter reads {hidden}-wide features; the target's are {target['hidden_size']}."
         )
-    rope = config.get("rope_scaling") or None
+    theta, rope = rope_scaling_from_config(config)  # transformers-5 rope_parameters or legacy keys
     cfg = Eagle1Config(
         target_model_name_or_path=target.get("name_or_path"),
         target_model_type=target.get("model_type"),
@@ -51,7 +52,7 @@ def load_eagle1(config: dict, state: dict, target: dict) -> Eagle1ForDrafting:
         num_key_value_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
         head_dim=config.get("head_dim"),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(config.get("rope_theta", 10000.0)),
+        rope_theta=theta,
         rope_scaling_parameters=rope,
         max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
         hidden_act=config.get("hidden_act", "silu"),

@@ -76,18 +76,13 @@ class Eagle1ForDrafting(FeatureAutoregressiveMixin, ReducedVocabularyMixin, Draf
         feats = features[0] if isinstance(features, (list, tuple)) else features
         return feats.to(device=self.device, dtype=self.fc.weight.dtype)
 
-    def draft_layer(self, embeds, hidden, cos, sin, cache: SlotKVCache, valid, attn_mask=None):
+    def draft_layer(self, embeds, hidden, cos, sin, cache: SlotKVCache, valid, attn_mask=None, step=None):
         x = self.fc(torch.cat([embeds.to(hidden.dtype), hidden], dim=-1))
         return self.layers[0](x, cos, sin, cache, valid, attn_mask=attn_mask)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's LM head on drafted features (its draft-vocabulary rows with a reduced vocabulary)."""
-        head = self._borrowed("lm_head")
-        weight, bias = head.weight, getattr(head, "bias", None)
-        if self.reduced_vocabulary:
-            ids = self.draft_token_ids.to(weight.device)
-            weight, bias = weight[ids], None if bias is None else bias[ids]
-        return F.linear(hidden.to(device=weight.device, dtype=weight.dtype), weight, bias).to(hidden.device)
+        return self.target_head_logits(hidden)
 
     # -- training ----------------------------------------------------------------------------------------------------
     def unroll(self, input_ids, target_feature, attention_mask=None, steps: int = 1, noise: float = 0.0):

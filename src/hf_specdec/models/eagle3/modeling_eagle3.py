@@ -134,7 +134,7 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, ReducedVocabularyMixin, Draf
         """Draft-vocabulary logits of draft layer outputs (through the final ``norm`` unless ``norm_output`` is off)."""
         return self.lm_head(self.norm(hidden) if self.config.norm_output else hidden)
 
-    def draft_layer(self, embeds, hidden, cos, sin, cache: SlotKVCache, valid, attn_mask=None):
+    def draft_layer(self, embeds, hidden, cos, sin, cache: SlotKVCache, valid, attn_mask=None, step=None):
         """The draft decoder layer on token embeddings and features (fused target features or its own outputs)."""
         return self.midlayer(embeds, hidden, cos, sin, cache, valid, attn_mask=attn_mask)
 

@@ -1,0 +1,111 @@
+"""Configuration of the MTP (multi-token prediction) drafter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from ...configuration_utils import (
+    DrafterConfig,
+    decoder_layer_defaults,
+    fill_decoder_layer_defaults,
+    validate_decoder_layer,
+)
+
+__all__ = ["MtpConfig"]
+
+
+class MtpConfig(DrafterConfig):
+    r"""Configuration of :class:`MtpForDrafting`, DeepSeek-V3-style multi-token prediction modules (arXiv 2412.19437
+    §2.2) trained post hoc for any target.
+
+    Module ``k`` (``k = 1..D``) at position ``i``: ``h'_i = eh_proj([enorm(Emb(t_{i+k})); hnorm(h^{k-1}_i)])``
+    (``eh_proj``: ``2 * hidden -> hidden``, no bias), ``h^k_i = post_norm(Block_k(h'_i))`` with one Llama-style
+    decoder layer, and the target's LM head (shared, borrowed) on ``h^k`` predicts ``t_{i+k+1}``. ``h^0`` is the
+    target's final hidden state. The embedding and LM head are the target's and are never saved.
+
+    Drafting: token 0 comes from module 1 on the verified context; draft token ``j >= 1`` from module
+    ``min(j + 1, D)`` on the previous step's output and the embedding of draft token ``j - 1``, so past ``D`` the last
+    module is reused autoregressively (as DeepSeek-V3 and vLLM do for longer drafts). Each module keeps its own KV
+    cache of the verified context, computed from the target's features, and sees its own earlier draft slots; training
+    unrolls the same computation (``ttt_steps``), so the loss is what decoding runs.
+
+    Args:
+        hidden_size / intermediate_size / num_attention_heads / num_key_value_heads / head_dim / hidden_act /
+            rms_norm_eps / rope_theta / rope_scaling_parameters / max_position_embeddings / attention_bias: the
+            decoder layer of each module, shaped like one of the target's by :meth:`for_target`.
+        num_mtp_modules (`int`, defaults to 1): ``D``, the number of chained modules (DeepSeek-V3 uses 1).
+        ttt_steps (`int`, *optional*): draft steps unrolled in the loss (default ``D``: each module trained at its own
+            depth, DeepSeek's objective); more train the reuse of the last module for longer drafts.
+        ttt_decay (`float`, defaults to 1.0): weight ``ttt_decay ** j`` of step ``j``; the loss is divided by the
+            number of steps (DeepSeek's ``λ / D`` with ``λ = 1``: the target is frozen, so ``λ`` only scales the lr).
+        loss_labels (`str`, defaults to ``"soft"``): ``"soft"`` distils the target's distribution, ``"hard"`` is the
+            paper's cross-entropy on the data's tokens.
+        hidden_states_first (`bool`, defaults to `False`): ``eh_proj`` reads ``[hnorm(h); enorm(e)]`` instead of
+            DeepSeek's ``[enorm(e); hnorm(h)]`` (some checkpoints order it so; transformers' ``mtp_hidden_states_first``).
+        use_post_norm (`bool`, defaults to `True`): each module ends with its own RMSNorm before the shared head
+            (DeepSeek's ``shared_head.norm``, transformers' ``post_norm``).
+        draft_vocab_size (`int`, *optional*): restrict the target's LM head to the most frequent tokens of the training
+            data (cheaper drafting; ``init_from_data``).
+    """
+
+    model_type = "mtp_drafter"
+
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    rope_scaling_parameters: dict | None = None
+    attention_bias: bool = False
+    num_mtp_modules: int = 1
+    ttt_steps: int | None = None
+    ttt_decay: float = 1.0
+    loss_labels: str = "soft"
+    hidden_states_first: bool = False
+    use_post_norm: bool = True
+    initializer_range: float = 0.02
+    num_draft_tokens: int = 4
+
+    def __post_init__(self, **kwargs):
+        fill_decoder_layer_defaults(self)
+        super().__post_init__(**kwargs)
+
+    @classmethod
+    def default_target_layer_ids(cls, num_layers: int) -> list[int]:
+        return [num_layers]  # h^0: the target's final hidden state, the LM head's input
+
+    @classmethod
+    def architecture_defaults(cls, text_config: PretrainedConfig) -> dict[str, Any]:
+        return decoder_layer_defaults(text_config)
+
+    @property
+    def unrolled_steps(self) -> int:
+        return int(self.ttt_steps) if self.ttt_steps is not None else int(self.num_mtp_modules)
+
+    def validate_drafter(self, require_complete: bool = False) -> None:
+        super().validate_drafter(require_complete)
+        name = type(self).__name__
+        for key in ("num_mtp_modules", "ttt_steps"):
+            value = getattr(self, key)
+            if value is None and key == "ttt_steps":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}.{key} must be a positive integer, got {value!r}.")
+        if float(self.ttt_decay) <= 0:
+            raise ValueError(f"{name}.ttt_decay must be > 0, got {self.ttt_decay!r}.")
+        if self.loss_labels not in ("soft", "hard"):
+            raise ValueError(f"{name}.loss_labels must be 'soft' or 'hard', got {self.loss_labels!r}.")
+        if not require_complete and not self.is_bound_to_target_facts:
+            return
+        validate_decoder_layer(self, "an MTP module reads the target's final hidden state")
+        if self.target_layer_ids is not None and len(self.target_layer_ids) != 1:
+            raise ValueError(
+                f"{name}.target_layer_ids must name one target state (h^0, the final hidden state), got "
+                f"{self.target_layer_ids}."
+            )
