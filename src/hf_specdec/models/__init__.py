@@ -1,8 +1,9 @@
 """Drafter families, one folder each. Importing this module registers every family (each folder's ``__init__``
 makes its one ``register_drafter`` call and registers its checkpoint layouts)."""
 
-from . import blockwise, eagle1, eagle3, hydra, medusa, mtp
+from . import blockwise, dflash, eagle1, eagle3, hydra, medusa, mtp
 from .blockwise import BlockwiseConfig, BlockwiseForDrafting
+from .dflash import DFlashConfig, DFlashForDrafting
 from .eagle1 import Eagle1Config, Eagle1ForDrafting
 from .eagle3 import Eagle3Config, Eagle3ForDrafting
 from .hydra import HydraConfig, HydraForDrafting
@@ -12,6 +13,7 @@ from .mtp import MtpConfig, MtpForDrafting
 # Public names re-exported by ``hf_specdec`` (it never names a family itself).
 __all__ = [
     "blockwise",
+    "dflash",
     "eagle1",
     "eagle3",
     "hydra",
@@ -19,6 +21,8 @@ __all__ = [
     "mtp",
     "BlockwiseConfig",
     "BlockwiseForDrafting",
+    "DFlashConfig",
+    "DFlashForDrafting",
     "Eagle1Config",
     "Eagle1ForDrafting",
     "Eagle3Config",

@@ -1,0 +1,188 @@
+"""DFlash checkpoint layouts.
+
+* ``dflash-zlab``: z-lab ``DFlashDraftModel`` (also what vLLM and SGLang load): ``config.json`` with ``architectures``
+  ``["DFlashDraftModel"]``, ``block_size``, ``num_target_layers``, ``layer_types``, ``dflash_config``
+  ``{mask_token_id, target_layer_ids}`` and the Qwen3 layer fields; weights ``fc``, ``hidden_norm``, ``layers.{i}.*``
+  (with ``q_norm`` / ``k_norm``) and ``norm``, no embeddings and no LM head.
+* ``muse-glimmer``: transformers' ``MuseGlimmerAssistantModel`` (``model_type`` ``muse_glimmer_assistant``): the same
+  layers, ``encoder.fc`` / ``encoder.output_norm_enc`` for ``fc`` / ``hidden_norm``, sliding-window layer types. A
+  drafter exported here also runs in transformers' own DFlash path
+  (``generate(assistant_model=..., speculation_type="dflash")``, batch size 1).
+
+Both record ``target_layer_ids`` as 0-based target *layer* ids (the layer's output is ``output_hidden_states[i + 1]``);
+hf_specdec's config holds the ``output_hidden_states`` indices.
+"""
+
+from __future__ import annotations
+
+from ...convert import Layout, register_layout, write_checkpoint
+from ...layers import rope_scaling_from_config
+from .configuration_dflash import DFlashConfig
+from .modeling_dflash import DFlashForDrafting
+
+_ENCODER = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
+
+
+def _detect_zlab(config: dict, keys: set) -> bool:
+    return "DFlashDraftModel" in (config.get("architectures") or []) or (
+        isinstance(config.get("dflash_config"), dict) and "fc.weight" in keys and "hidden_norm.weight" in keys
+    )
+
+
+def _detect_muse(config: dict, keys: set) -> bool:
+    return config.get("model_type") == "muse_glimmer_assistant" or "encoder.output_norm_enc.weight" in keys
+
+
+def _load(config: dict, state: dict, target: dict, block: dict) -> DFlashForDrafting:
+    """Builds the drafter from the layer fields of ``config`` and ``block`` (``block_size``, ``mask_token_id``,
+    ``target_layer_ids`` as layer ids) and loads ``state`` (hf_specdec names)."""
+    hidden = int(config["hidden_size"])
+    layer_ids = [int(i) for i in block["target_layer_ids"]]
+    if state["fc.weight"].shape[1] != len(layer_ids) * hidden:
+        raise ValueError(
+            f"fc.weight reads {state['fc.weight'].shape[1]} features; {len(layer_ids)} target layers of width {hidden} "
+            f"give {len(layer_ids) * hidden}. The checkpoint's target_layer_ids do not match its weights."
+        )
+    if target.get("hidden_size") not in (None, hidden):
+        raise ValueError(
+            f"This DFlash drafter reads {hidden}-wide target states; the target's are {target['hidden_size']}."
+        )
+    depth = target.get("num_hidden_layers") or config.get("num_target_layers")
+    if depth is not None and max(layer_ids) >= int(depth):
+        raise ValueError(f"target_layer_ids {layer_ids} name layers beyond the target's {depth}.")
+    theta, rope = rope_scaling_from_config(config)
+    heads = int(config["num_attention_heads"])
+    layers = int(config["num_hidden_layers"])
+    cfg = DFlashConfig(
+        target_model_name_or_path=target.get("name_or_path"),
+        target_model_type=target.get("model_type"),
+        target_hidden_size=hidden,
+        target_num_hidden_layers=None if depth is None else int(depth),
+        target_vocab_size=int(target.get("vocab_size") or config["vocab_size"]),
+        target_layer_ids=[i + 1 for i in layer_ids],
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=config.get("head_dim"),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling_parameters=rope,
+        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        hidden_act=config.get("hidden_act", "silu"),
+        attention_bias=bool(config.get("attention_bias", False)),
+        num_hidden_layers=layers,
+        block_size=int(block["block_size"]),
+        mask_token_id=int(block["mask_token_id"]),
+        layer_types=list(config.get("layer_types") or ["full_attention"] * layers),
+        sliding_window=config.get("sliding_window"),
+    )
+    drafter = DFlashForDrafting(cfg)
+    own = drafter.state_dict()
+    wanted = {k: v for k, v in state.items() if k in own}
+    missing = sorted(k for k in own if k not in wanted and k not in ("d2t", "t2d"))
+    extra = sorted(k for k in state if k not in own and not k.startswith(("embed_tokens.", "lm_head.")))
+    if missing or extra:
+        raise ValueError(f"Not a DFlash checkpoint hf_specdec can load: missing {missing[:4]}, unexpected {extra[:4]}.")
+    drafter.load_state_dict({**own, **{k: v.to(own[k].dtype) for k, v in wanted.items()}})
+    return drafter.eval()
+
+
+def load_zlab(config: dict, state: dict, target: dict) -> DFlashForDrafting:
+    block = dict(config.get("dflash_config") or {})
+    block.setdefault("block_size", config.get("block_size", 16))
+    if "target_layer_ids" not in block or "mask_token_id" not in block:
+        raise ValueError("A z-lab DFlash config needs dflash_config.target_layer_ids and dflash_config.mask_token_id.")
+    return _load(config, state, target, block)
+
+
+def load_muse(config: dict, state: dict, target: dict) -> DFlashForDrafting:
+    state = {_ENCODER.get(k, k): v for k, v in state.items()}
+    return _load(config, state, target, config)
+
+
+def _fields(drafter: DFlashForDrafting) -> dict:
+    cfg = drafter.config
+    if drafter.reduced_vocabulary:
+        raise ValueError(
+            "The DFlash layouts draft over the target's full LM head; this drafter restricts it to "
+            f"{cfg.draft_vocab_size} tokens. Train one with the full vocabulary to export it."
+        )
+    if cfg.attention_bias:
+        raise ValueError("The DFlash layouts have no attention biases; this drafter has them.")
+    return {
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": cfg.rope_theta,
+            **(cfg.rope_scaling_parameters or {}),
+        },
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "layer_types": list(cfg.layer_types),
+        "sliding_window": cfg.sliding_window,
+        "vocab_size": cfg.target_vocab_size,
+        "block_size": cfg.block_size,
+    }
+
+
+def _weights(drafter: DFlashForDrafting) -> dict:
+    return {k: v for k, v in drafter.state_dict().items() if k not in ("d2t", "t2d")}
+
+
+def save_zlab(drafter: DFlashForDrafting, out_dir: str, target=None) -> None:
+    cfg = drafter.config
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        **_fields(drafter),
+        "num_target_layers": cfg.target_num_hidden_layers,
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": [i - 1 for i in cfg.target_layer_ids],
+        },
+    }
+    write_checkpoint(out_dir, config, _weights(drafter))
+
+
+def save_muse(drafter: DFlashForDrafting, out_dir: str, target=None) -> None:
+    cfg = drafter.config
+    back = {v: k for k, v in _ENCODER.items()}
+    config = {
+        "architectures": ["MuseGlimmerAssistantModel"],
+        "model_type": "muse_glimmer_assistant",
+        **_fields(drafter),
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": [i - 1 for i in cfg.target_layer_ids],
+    }
+    if config["sliding_window"] is None:  # transformers' config wants an int; no layer is a sliding one
+        config["sliding_window"] = cfg.max_position_embeddings
+    write_checkpoint(out_dir, config, {back.get(k, k): v for k, v in _weights(drafter).items()})
+
+
+register_layout(
+    Layout(
+        name="dflash-zlab",
+        family=DFlashConfig.model_type,
+        description="z-lab DFlashDraftModel (fc, hidden_norm, Qwen3 layers; dflash_config), as vLLM / SGLang load it",
+        detect=_detect_zlab,
+        load=load_zlab,
+        save=save_zlab,
+    )
+)
+register_layout(
+    Layout(
+        name="muse-glimmer",
+        family=DFlashConfig.model_type,
+        description="transformers MuseGlimmerAssistantModel (encoder.fc, encoder.output_norm_enc; runs in its DFlash path)",
+        detect=_detect_muse,
+        load=load_muse,
+        save=save_muse,
+    )
+)
