@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/smollm2-families}
 DATA=${DATA:-runs/smollm2-assistant/regenerated.jsonl}
 STEPS=${STEPS:-300}
-FAMILIES=${FAMILIES:-medusa hydra blockwise eagle1 eagle3 medusa2 mtp}
+FAMILIES=${FAMILIES:-medusa hydra blockwise eagle1 eagle3 medusa2 mtp dflash dspark}
 test -f "$DATA" || python scripts/train_smollm2_assistant.py --out runs/smollm2-assistant  # writes the answers first
 test -f "$RUN/features/index.json" || hf-specdec dump-features --target smollm2 --data "$DATA" --output-dir "$RUN/features" --layer-ids 2 15 27 \
     --max-length 512 --batch-size 8
@@ -28,6 +28,9 @@ for family in $FAMILIES; do
     if [ "$family" = medusa2 ]; then source=(--data "$DATA" --max-length 512); fi
     extra=()  # MTP: two chained modules, the second reused for longer drafts and trained for it (4 unrolled steps)
     if [ "$family" = mtp ]; then extra=(--config num_mtp_modules=2 --ttt-steps 4); fi
+    # DFlash: blocks of 8 (7 drafts per pass) on the dumped layers (its own default would be [2, 15, 28])
+    if [ "$family" = dflash ]; then extra=(--layer-ids 2 15 27 --config block_size=8); fi
+    if [ "$family" = dspark ]; then extra=(--layer-ids 2 15 27 --config block_size=7); fi  # 7 drafts, as DFlash's 8
     hf-specdec train --target smollm2 --drafter "$family" "${source[@]}" --output-dir "$out" \
         --draft-vocab-size 4096 --max-steps "$STEPS" --batch-size 8 --lr 1e-3 --save-steps 100 --eval-steps 100 \
         --logging-steps 20 --report-to none "${extra[@]}" "${resume[@]}"

@@ -3,7 +3,7 @@ makes its one ``register_drafter`` call and registers its checkpoint layouts).""
 
 from . import blockwise, dflash, eagle1, eagle3, hydra, medusa, mtp
 from .blockwise import BlockwiseConfig, BlockwiseForDrafting
-from .dflash import DFlashConfig, DFlashForDrafting
+from .dflash import DFlashConfig, DFlashForDrafting, DSparkConfig, DSparkForDrafting
 from .eagle1 import Eagle1Config, Eagle1ForDrafting
 from .eagle3 import Eagle3Config, Eagle3ForDrafting
 from .hydra import HydraConfig, HydraForDrafting
@@ -23,6 +23,8 @@ __all__ = [
     "BlockwiseForDrafting",
     "DFlashConfig",
     "DFlashForDrafting",
+    "DSparkConfig",
+    "DSparkForDrafting",
     "Eagle1Config",
     "Eagle1ForDrafting",
     "Eagle3Config",

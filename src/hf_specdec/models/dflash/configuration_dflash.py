@@ -75,8 +75,8 @@ class DFlashConfig(DrafterConfig):
 
     def __post_init__(self, **kwargs):
         fill_decoder_layer_defaults(self)
-        if self.num_draft_tokens is None and isinstance(self.block_size, int):
-            self.num_draft_tokens = self.block_size - 1
+        if self.num_draft_tokens is None and isinstance(self.block_size, int) and self.block_size >= 2:
+            self.num_draft_tokens = self.drafts_per_block
         if self.layer_types is None and isinstance(self.num_hidden_layers, int):
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         if self.mask_token_id is None and self.target_vocab_size:
@@ -96,6 +96,11 @@ class DFlashConfig(DrafterConfig):
         return decoder_layer_defaults(text_config)
 
     @property
+    def drafts_per_block(self) -> int:
+        """Tokens one block pass drafts: the masked slots (the anchor slot predicts nothing)."""
+        return int(self.block_size) - 1
+
+    @property
     def decay_gamma(self) -> float:
         if self.loss_decay_gamma is not None:
             return float(self.loss_decay_gamma)
@@ -108,10 +113,10 @@ class DFlashConfig(DrafterConfig):
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name}.{key} must be an integer >= {minimum}, got {value!r}.")
         super().validate_drafter(require_complete)
-        if self.num_draft_tokens is not None and self.num_draft_tokens > self.block_size - 1:
+        if self.num_draft_tokens is not None and self.num_draft_tokens > self.drafts_per_block:
             raise ValueError(
-                f"{name}.num_draft_tokens ({self.num_draft_tokens}) cannot exceed block_size - 1 "
-                f"({self.block_size - 1}): one block pass drafts that many tokens."
+                f"{name}.num_draft_tokens ({self.num_draft_tokens}) cannot exceed the {self.drafts_per_block} drafts "
+                f"of one block pass (block_size {self.block_size})."
             )
         if self.loss_decay_gamma is not None and float(self.loss_decay_gamma) <= 0:
             raise ValueError(f"{name}.loss_decay_gamma must be > 0, got {self.loss_decay_gamma!r}.")

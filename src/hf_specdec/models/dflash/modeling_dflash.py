@@ -83,7 +83,8 @@ class DFlashDraftState:
     positions: torch.Tensor | None = None  # (batch, slots) positions of the context slots (sliding windows)
     anchor: torch.Tensor | None = None  # (batch,) the last verified token
     position: torch.Tensor | None = None  # (batch,) its position
-    logits: torch.Tensor | None = None  # (batch, block_size - 1, draft_vocab)
+    logits: torch.Tensor | None = None  # (batch, drafts per block, draft_vocab): the backbone's slot logits
+    hidden: torch.Tensor | None = None  # (batch, drafts per block, hidden): the normed slot states
 
 
 class DFlashForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
@@ -101,6 +102,9 @@ class DFlashForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
     borrows_target_lm_head = True
     supports_tree_drafting = True
     max_draft_depth_source = "block_size - 1"
+    # Block slot that drafts the first token: 1 (DFlash: slot i predicts the token at its own position); a family
+    # whose anchor slot predicts the next token sets 0 (block_size drafts per pass).
+    first_draft_slot: int = 1
     lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc")
     _no_split_modules = ["DFlashDecoderLayer"]
 
@@ -115,7 +119,11 @@ class DFlashForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
             config.head_dim, config.rope_theta, config.rope_scaling_parameters, config.max_position_embeddings
         )
         self.register_vocabulary_buffers(config)
+        self.build_extra_modules(config)
         self.post_init()
+
+    def build_extra_modules(self, config) -> None:
+        """Modules a family built on this backbone adds (before ``post_init``, so they get its init)."""
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -130,8 +138,12 @@ class DFlashForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
         return int(self.config.block_size)
 
     @property
+    def drafts_per_block(self) -> int:
+        return self.block_size - self.first_draft_slot
+
+    @property
     def max_draft_depth(self) -> int:
-        return self.block_size - 1
+        return self.drafts_per_block
 
     def context(self, features) -> torch.Tensor:
         """``H_ctx = hidden_norm(fc([H_1; ...; H_n]))`` from the selected target states."""
@@ -149,7 +161,7 @@ class DFlashForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
             near = mask & ((positions[:, :, None] - key_positions[:, None]).abs() <= int(window))
         for layer, kind, (k, v) in zip(self.layers, self.config.layer_types, ctx_kv):
             x = layer(x, cos, sin, k, v, near if kind == "sliding_attention" else mask)
-        return self.target_head_logits(self.norm(x))
+        return self.norm(x)
 
     # -- decoding ----------------------------------------------------------------------------------------------------
     def init_draft_state(self, batch_size: int, max_length: int) -> DFlashDraftState:
@@ -177,9 +189,10 @@ class DFlashForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
         if state.anchor is not None:  # a row without a verified slot here (it finished) keeps its anchor
             anchor = torch.where(last < 0, state.anchor, anchor)
             position = torch.where(last < 0, state.position, position)
-        state.anchor, state.position, state.logits = anchor, position, None
+        state.anchor, state.position, state.logits, state.hidden = anchor, position, None, None
 
     def _block_logits(self, state: DFlashDraftState) -> torch.Tensor:
+        """The backbone's draft-slot logits ``(B, drafts_per_block, V')`` (one block pass per verified context)."""
         if state.logits is None:
             bsz, bs = state.anchor.shape[0], self.block_size
             tokens = torch.full((bsz, bs), int(self.config.mask_token_id), dtype=torch.long, device=self.device)
@@ -193,41 +206,50 @@ class DFlashForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
             )
             kv = [(c.keys, c.values) for c in state.caches]
             key_positions = torch.cat([state.positions, positions], dim=1)
-            state.logits = self._layers(x, positions, kv, mask, key_positions)[:, 1:].float()
+            hidden = self._layers(x, positions, kv, mask, key_positions)[:, self.first_draft_slot :]
+            state.hidden = hidden
+            state.logits = self.target_head_logits(hidden).float()
         return state.logits
 
+    def slot_logits(self, state: DFlashDraftState, depth: int, previous: torch.Tensor) -> torch.Tensor:
+        """The draft distribution of draft token ``depth`` given the token before it (``previous``, ``(B,)`` or
+        ``(B, M)`` for tree nodes; the anchor at depth 0). DFlash's slots do not read it."""
+        logits = self._block_logits(state)[:, depth]
+        return logits if previous.dim() == 1 else logits[:, None].expand(*previous.shape, logits.shape[-1])
+
     def propose(self, state: DFlashDraftState, num_tokens: int, select: TokenSelector) -> Proposal:
-        """Draft token ``j`` is drawn from block slot ``j + 1`` (at most ``block_size - 1`` tokens)."""
-        logits = self._block_logits(state)
+        """Draft token ``j`` is drawn from block slot ``j + first_draft_slot`` (at most ``drafts_per_block``)."""
         vocab_ids = self.reduced_vocab_ids()
         tokens, probs = [], []
-        for depth in range(min(int(num_tokens), self.block_size - 1)):
-            tok, q = select(logits[:, depth], depth, vocab_ids)
+        previous = state.anchor
+        for depth in range(min(int(num_tokens), self.drafts_per_block)):
+            tok, q = select(self.slot_logits(state, depth, previous), depth, vocab_ids)
             tokens.append(tok)
             probs.append(q)
+            previous = tok
         draft_probs = torch.stack(probs, dim=1) if probs[0] is not None else None
         return Proposal(tokens=torch.stack(tokens, dim=1), draft_probs=draft_probs, kind="block")
 
     def tree_start(self, state: DFlashDraftState):
-        return self._block_logits(state)[:, 0], self.reduced_vocab_ids()
+        return self.slot_logits(state, 0, state.anchor), self.reduced_vocab_ids()
 
     def tree_expand(self, state: DFlashDraftState, expansion) -> torch.Tensor:
-        """Every node at depth ``d`` gets block slot ``d + 1``'s distribution (slots do not read draft tokens)."""
+        """The draft distribution after each node at depth ``d``: block slot ``d + first_draft_slot``'s, given the
+        node's own token (DFlash's slots do not read it)."""
         depth = int(expansion.depth)
-        if depth >= self.block_size - 1:
+        if depth >= self.drafts_per_block:
             raise ValueError(
-                f"{type(self).__name__} drafts {self.block_size - 1} tokens per block, so its trees are at most that "
-                f"deep; this tree expands nodes at depth {depth}. Use tree_depth <= {self.block_size - 1}."
+                f"{type(self).__name__} drafts {self.drafts_per_block} tokens per block, so its trees are at most that "
+                f"deep; this tree expands nodes at depth {depth}. Use tree_depth <= {self.drafts_per_block}."
             )
-        logits = self._block_logits(state)[:, depth]
-        bsz, m = expansion.tokens.shape
-        return logits[:, None].expand(bsz, m, logits.shape[-1])
+        return self.slot_logits(state, depth, expansion.tokens.to(self.device)).float()
 
     # -- training ----------------------------------------------------------------------------------------------------
-    def block_logits(self, input_ids, features, attention_mask, anchors) -> torch.Tensor:
+    def block_states(self, input_ids, features, attention_mask, anchors) -> torch.Tensor:
         """Teacher-forced blocks over a sequence: ``anchors`` ``(B, A)`` are the positions of the blocks' anchor
         tokens; each block sees the target context strictly before its anchor and itself (blocks do not see each
-        other). Returns ``(B, A, block_size - 1, draft_vocab)``: slot ``i`` predicts the token at ``anchor + i``."""
+        other). Returns the normed states of the draft slots, ``(B, A, drafts_per_block, hidden)``: draft ``j``
+        predicts the token at ``anchor + 1 + j``."""
         bsz, t = input_ids.shape
         bs = self.block_size
         a = anchors.shape[1]
@@ -250,21 +272,40 @@ class DFlashForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
         same_block = (block_of[:, None] == block_of[None])[None].expand(bsz, -1, -1)
         mask = torch.cat([sees_ctx, same_block], dim=2)
         key_positions = torch.cat([torch.arange(t, device=self.device)[None].expand(bsz, t), positions], dim=1)
-        logits = self._layers(x, positions, kv, mask, key_positions)
-        return logits.view(bsz, a, bs, -1)[:, :, 1:]
+        hidden = self._layers(x, positions, kv, mask, key_positions)
+        return hidden.view(bsz, a, bs, -1)[:, :, self.first_draft_slot :]
+
+    def block_logits(self, input_ids, features, attention_mask, anchors) -> torch.Tensor:
+        """The backbone's logits of the draft slots of blocks at ``anchors``: ``(B, A, drafts_per_block, V')``."""
+        return self.target_head_logits(self.block_states(input_ids, features, attention_mask, anchors))
+
+    def teacher_forced_slot_logits(self, states, input_ids, anchors, depth: int) -> torch.Tensor:
+        """Draft ``depth``'s logits ``(B, A, V')`` of blocks at ``anchors`` from their :meth:`block_states`, the
+        drafts before it teacher-forced from ``input_ids`` (DFlash's slots do not read them)."""
+        return self.target_head_logits(states[:, :, depth])
 
     def teacher_forced_logits(self, input_ids, features, attention_mask=None, steps: int | None = None):
         """Per depth ``j``: ``(B, T - 1, draft_vocab)``, anchor ``t`` (the last verified position) predicting token
         ``t + 2 + j`` (its block's anchor token is ``t + 1``), as :meth:`propose` drafts after ``observe``."""
         bsz, t = input_ids.shape
         anchors = torch.arange(1, t, device=self.device)[None].expand(bsz, t - 1)
-        logits = self.block_logits(input_ids, features, attention_mask, anchors)
-        steps = self.block_size - 1 if steps is None else min(int(steps), self.block_size - 1)
-        return [logits[:, :, j] for j in range(steps)]
+        states = self.block_states(input_ids, features, attention_mask, anchors)
+        steps = self.drafts_per_block if steps is None else min(int(steps), self.drafts_per_block)
+        ids = input_ids.to(self.device)
+        return [self.teacher_forced_slot_logits(states, ids, anchors, j) for j in range(steps)]
+
+    def slot_loss(self, depth: int, logits, state, labels, target, ok, previous) -> tuple:
+        """One draft slot's loss over blocks: ``(weighted, plain, metrics)``, sums over the scored anchors ``ok``;
+        ``weighted`` gets the slot's position decay; ``previous`` ``(B, A)`` is the token before the draft. DFlash:
+        the cross-entropy against ``labels`` (the teacher's distribution, ``(B, A, V')``) or, with hard labels,
+        against ``target`` (``(B, A)`` draft ids)."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        ce = -(labels * logp).sum(-1) if target is None else -logp.gather(-1, target.clamp_min(0)[..., None])[..., 0]
+        return (ce * ok).sum(), logits.new_zeros(()), {}
 
     def compute_loss(self, batch, features, target_head=None, **loss_kwargs):
-        """``sum_k exp(-(k - 1) / gamma) * CE_k`` over block slots ``k = 1..block_size - 1`` (each the mean over the
-        scored anchors), on ``num_anchors`` random anchors per sequence in training and every anchor in evaluation.
+        """``sum_k exp(-(k - 1) / gamma) * L_k`` over the draft slots (each the mean over the scored anchors of
+        :meth:`slot_loss`), on ``num_anchors`` random anchors per sequence in training and every anchor in evaluation.
         Metrics: per-slot accuracy and the simulated walk over the anchors computed."""
         cfg = self.config
         loss_mask, soft, in_vocab, hard = self.loss_targets(batch, features, target_head, loss_kwargs, cfg.loss_labels)
@@ -272,51 +313,53 @@ class DFlashForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
         attn = batch.get("attention_mask")
         feats = [f.to(self.device, self.dtype) for f in features.hidden_states]
         bsz, t = ids.shape
-        depth = self.block_size - 1
+        depth = self.drafts_per_block
         probs, top = soft.probs.to(self.device), soft.argmax.to(self.device)
         # anchor t (last verified position) drafts tokens t + 2 + j; it is worth scoring if its first label is a loss token
         useful = torch.zeros(bsz, t, dtype=torch.bool, device=self.device)
         useful[:, : t - 2] = loss_mask[:, 2:]
         if self.training:
             scores = torch.rand(bsz, t, device=self.device).masked_fill(~useful, -1.0)
-            take = min(int(cfg.num_anchors), t)
-            picked, order = scores.topk(take, dim=1)
+            picked, order = scores.topk(min(int(cfg.num_anchors), t), dim=1)
             chunks = [(order, picked >= 0)]
         else:
             every = torch.arange(t, device=self.device)[None].expand(bsz, t)
             step = int(cfg.num_anchors)
             chunks = [(every[:, i : i + step], useful[:, i : i + step]) for i in range(0, t, step)]
-        ce_sum = torch.zeros(depth, device=self.device)
+        weighted = [torch.zeros((), device=self.device) for _ in range(depth)]
+        plain = torch.zeros((), device=self.device)
         n = torch.zeros(depth, device=self.device)
         correct = torch.zeros(depth, device=self.device)
+        extra: dict[str, torch.Tensor] = {}
         accepted = torch.zeros(bsz, t, dtype=torch.long, device=self.device)
         for anchors, keep in chunks:
-            block = self.block_logits(ids, feats, attn, (anchors + 1).clamp(max=t - 1))  # (B, A, depth, V)
+            block_anchor = (anchors + 1).clamp(max=t - 1)
+            states = self.block_states(ids, feats, attn, block_anchor)
             chain = keep.clone()
             for j in range(depth):
                 pred = anchors + 2 + j
-                inside = keep & (pred < t)
                 pred_c, lab_c = pred.clamp(max=t - 1), (anchors + 1 + j).clamp(max=t - 1)
-                ok = inside & loss_mask.gather(1, pred_c) & in_vocab.gather(1, lab_c)
-                logp = torch.log_softmax(block[:, :, j].float(), dim=-1)
-                if hard is None:
-                    lab = probs.gather(1, lab_c[..., None].expand(-1, -1, probs.shape[-1]))
-                    ce = -(lab * logp).sum(-1)
-                else:
-                    tgt = hard.gather(1, pred_c)
-                    ok = ok & (tgt >= 0)
-                    ce = -logp.gather(-1, tgt.clamp_min(0)[..., None])[..., 0]
-                ce_sum[j] = ce_sum[j] + (ce * ok).sum()
+                ok = keep & (pred < t) & loss_mask.gather(1, pred_c) & in_vocab.gather(1, lab_c)
+                target = None
+                if hard is not None:
+                    target = hard.gather(1, pred_c)
+                    ok = ok & (target >= 0)
+                logits = self.teacher_forced_slot_logits(states, ids, block_anchor, j)
+                labels = probs.gather(1, lab_c[..., None].expand(-1, -1, probs.shape[-1]))
+                previous = ids.gather(1, (block_anchor + j).clamp(max=t - 1))  # the token before draft j
+                w_sum, p_sum, more = self.slot_loss(j, logits, states[:, :, j], labels, target, ok, previous)
+                weighted[j] = weighted[j] + w_sum
+                plain = plain + p_sum
+                for key, value in more.items():
+                    extra[key] = extra.get(key, 0) + value
                 n[j] = n[j] + ok.sum()
-                hit = (block[:, :, j].argmax(-1) == top.gather(1, lab_c)) & ok
+                hit = (logits.argmax(-1) == top.gather(1, lab_c)) & ok
                 correct[j] = correct[j] + hit.sum().detach()
                 chain = chain & hit
                 accepted.scatter_add_(1, anchors, chain.long())
-        weights = torch.tensor(
-            [math.exp(-j / cfg.decay_gamma) for j in range(depth)], device=self.device, dtype=torch.float32
-        )
-        loss = (weights * ce_sum / n.clamp(min=1)).sum()
-        metrics = {"correct": correct, "valid": n.detach()}
+        decay = [math.exp(-j / cfg.decay_gamma) for j in range(depth)]
+        loss = sum(w * term / c.clamp(min=1) for w, term, c in zip(decay, weighted, n)) + plain / n.sum().clamp(min=1)
+        metrics = {"correct": correct, "valid": n.detach(), **{k: v.detach() for k, v in extra.items()}}
         k = min(int(cfg.num_draft_tokens or depth), depth)
         metrics.update(walk_metrics(walk_passes(accepted, loss_mask, k), device=self.device))
         return DraftLossOutput(loss=loss, metrics=metrics, accepted=accepted)
