@@ -20,7 +20,7 @@ class TestDSpark(DrafterTesterMixin):
     def make_drafter(self, target, seed=0, **overrides):
         drafter = super().make_drafter(target, seed, **overrides)
         with torch.no_grad():  # a fresh correction is zero: give it weights so that the tests see it
-            drafter.markov_out.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(seed))
+            drafter.markov_head.markov_w2.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(seed))
         return drafter
 
     def teacher_forced_draft_logits(self, drafter, input_ids, hidden_states, attention_mask, steps):
@@ -58,9 +58,9 @@ def _profiled(target, seed=6, per_token=0.15, **cfg):
     }
     with torch.no_grad():  # confidences that depend on the previous token and spread over (0, 1)
         hidden = drafter.config.hidden_size
-        drafter.confidence.weight.zero_()
-        drafter.confidence.weight[:, hidden:].normal_(0, 40.0, generator=torch.Generator().manual_seed(seed))
-        drafter.confidence.bias.fill_(1.0)
+        drafter.confidence_head.proj.weight.zero_()
+        drafter.confidence_head.proj.weight[:, hidden:].normal_(0, 40.0, generator=torch.Generator().manual_seed(seed))
+        drafter.confidence_head.proj.bias.fill_(1.0)
     return drafter
 
 
@@ -176,7 +176,7 @@ def test_profile_and_calibrate_commands(tmp_path):
     target, tok, rng = chat_workspace(tmp_path)
     t = str(tmp_path / "target")
     with open(tmp_path / "data.jsonl", "w") as fh:
-        for i in range(16):
+        for _ in range(16):
             words = " ".join("".join(rng.choice("abcdefgh") for _ in range(4)) for _ in range(6))
             fh.write(
                 json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": words}]})

@@ -22,6 +22,8 @@ from .modeling_dflash import DFlashDraftState, DFlashForDrafting
 
 __all__ = [
     "DSparkForDrafting",
+    "DSparkMarkovHead",
+    "DSparkConfidenceHead",
     "DSparkDraftState",
     "schedule_lengths",
     "expected_calibration_error",
@@ -127,6 +129,31 @@ def sequential_temperature_scaling(logits, accepted, valid, grid=TEMPERATURE_GRI
     }
 
 
+class DSparkMarkovHead(nn.Module):
+    """``W2 W1[x]``: ``markov_w1`` an embedding of the previous (target) token, ``markov_w2`` rank -> draft vocabulary
+    (DeepSpec's ``VanillaMarkov`` names)."""
+
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
+        self.markov_w2.dspark_zero_init = True  # a fresh correction adds nothing: the backbone's logits at first
+
+    def forward(self, previous: torch.Tensor) -> torch.Tensor:
+        return self.markov_w2(self.markov_w1(previous))
+
+
+class DSparkConfidenceHead(nn.Module):
+    """``w·[h_k; W1[x_{k-1}]] + b`` (DeepSpec's ``AcceptRatePredictor``)."""
+
+    def __init__(self, input_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(input_dim, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.proj(features)[..., 0]
+
+
 class DSparkForDrafting(DFlashForDrafting):
     """DSpark: DFlash-style block drafting with a sequential correction ``W2 W1[x_{k-1}]`` and a confidence head.
 
@@ -140,13 +167,11 @@ class DSparkForDrafting(DFlashForDrafting):
     first_draft_slot = 0
     max_draft_depth_source = "block_size"
     draft_options = {"confidence_schedule": False}
-    lora_target_modules = DFlashForDrafting.lora_target_modules + ("markov_out",)
+    lora_target_modules = DFlashForDrafting.lora_target_modules + ("markov_w2",)
 
     def build_extra_modules(self, config: DSparkConfig) -> None:
-        self.markov_in = nn.Embedding(config.target_vocab_size, config.markov_rank)
-        self.markov_out = nn.Linear(config.markov_rank, config.draft_vocab_size, bias=False)
-        self.markov_out.dspark_zero_init = True  # a fresh correction adds nothing: the backbone's logits at first
-        self.confidence = nn.Linear(config.hidden_size + config.markov_rank, 1)
+        self.markov_head = DSparkMarkovHead(config.target_vocab_size, config.draft_vocab_size, config.markov_rank)
+        self.confidence_head = DSparkConfidenceHead(config.hidden_size + config.markov_rank)
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -158,11 +183,12 @@ class DSparkForDrafting(DFlashForDrafting):
     # -- the sequential correction and the confidence head ------------------------------------------------------------
     def correction(self, previous: torch.Tensor) -> torch.Tensor:
         """``W2 W1[x]``: ``(..., draft_vocab)`` for previous tokens ``x`` (target ids)."""
-        return self.markov_out(self.markov_in(previous.to(self.device)))
+        return self.markov_head(previous.to(self.device))
 
     def confidence_logit(self, state: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """Uncalibrated confidence logits ``w·[h_k; W1[x_{k-1}]] + b``, ``(...)``."""
-        return self.confidence(torch.cat([state, self.markov_in(previous.to(self.device)).to(state.dtype)], -1))[..., 0]
+        w1 = self.markov_head.markov_w1(previous.to(self.device)).to(state.dtype)
+        return self.confidence_head(torch.cat([state, w1], -1))
 
     def calibrated(self, logits: torch.Tensor, depth: int) -> torch.Tensor:
         temps = self.config.confidence_temperatures
