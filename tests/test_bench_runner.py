@@ -227,3 +227,24 @@ def test_asd_commands(tmp_path):
     audit = json.loads((out / "audit.json").read_text())
     assert "test split" in audit["config"]["prompts"]
     assert {r["num_prompts"] for r in audit["records"] if r["category"] == "all"} == {len(tune["test_prompt_ids"])}
+
+
+def test_draft_option_rows(tmp_path, capsys):
+    """``--draft-option KEY=VALUE`` adds chain rows with that option for drafters that declare it."""
+    from hf_specdec.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "import os\n\n\ndef main():\n", "category": "code"}) + "\n")
+    out = tmp_path / "bench"
+    assert main(["bench", "--prompts", str(prompts), "--max-new-tokens", "6", "--out", str(out), "--warmup", "0",
+                 "--no-peers", "--draft-option", "draft_confidence_threshold=0.5"]) == 0  # fmt: skip
+    report = json.loads((out / "bench.json").read_text())
+    names = {r["method"] for r in report["records"]}
+    with_option = [n for n in names if "draft_confidence_threshold=0.5" in n]
+    assert len(with_option) == 1 and len(names) == 3
+    (config,) = [m for m in report["config"]["methods"] if m["name"] == with_option[0]]
+    assert "0.5" in json.dumps(config)
+    # an option no drafter declares is a typo: refused with a message, before anything runs
+    assert main(["bench", "--prompts", str(prompts), "--max-new-tokens", "6", "--out", str(out), "--no-peers",
+                 "--draft-option", "not_an_option=1"]) == 2  # fmt: skip
+    assert "not_an_option" in capsys.readouterr().err

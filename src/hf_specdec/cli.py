@@ -228,6 +228,7 @@ def _bench_methods(args, target):
     if drafters is None:
         drafters = [demo_drafter_path(shortcut)] if shortcut is not None else []
     methods = [plain_method()]
+    used_options: set[str] = set()
     for path in drafters:
         drafter = AutoModelForDrafting.from_pretrained(path).eval()
         first = len(methods)
@@ -263,8 +264,25 @@ def _bench_methods(args, target):
                             lookup_tokens=(args.lookup_tokens or [None])[0] if chain else None,
                         )
                     )
+        for key, value in _draft_option_args(args):  # extra chain rows with a drafting option the family declares
+            if key not in type(drafter).draft_options:
+                continue
+            used_options.add(key)
+            for k in args.num_draft_tokens or [None]:
+                methods.append(
+                    drafter_method(
+                        drafter,
+                        num_draft_tokens=k,
+                        draft_options={key: value},
+                        draft_length=(args.draft_length or [None])[0],
+                        lookup_tokens=(args.lookup_tokens or [None])[0],
+                    )
+                )
         if adapted is not None:
             methods[first:] = adapted_target_methods(drafter, adapted, methods[first:])
+    unused = sorted({key for key, _ in _draft_option_args(args)} - used_options)
+    if unused:
+        raise SystemExit(f"hf-specdec bench: no drafter here declares the drafting option(s) {unused}.")
     if not args.no_peers:
         assistant = args.assistant
         if assistant is None and shortcut is not None and shortcut.assistant and os.path.isdir(shortcut.assistant):
@@ -340,6 +358,17 @@ def _calibrate(args) -> int:
             json.dump(report, fh, indent=2)
     print(json.dumps({k: v for k, v in report.items() if k != "per_depth"}, indent=2))
     return 0
+
+
+def _draft_option_args(args) -> list[tuple[str, object]]:
+    """``--draft-option KEY=VALUE`` pairs (VALUE read as JSON, else a string)."""
+    out = []
+    for item in getattr(args, "draft_option", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--draft-option expects KEY=VALUE, got {item!r}")
+        out.append((key, _json_or_text(value)))
+    return out
 
 
 def _bench_target(args):
@@ -745,6 +774,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-depth", type=int, default=None, help="EAGLE-2 tree depth")
     p.add_argument("--tree-top-k", type=int, default=None, help="EAGLE-2 children per node and nodes per depth")
     p.add_argument("--tree-total-tokens", type=int, default=None, help="EAGLE-2 draft nodes per tree")
+    p.add_argument(
+        "--draft-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="also measure chain rows with this drafting option, for drafters that declare it "
+        "(e.g. confidence_schedule=true); VALUE read as JSON",
+    )
     p.add_argument("--assistant", default=None, help="small assistant model for transformers' assisted generation")
     p.add_argument("--assistant-tokens", type=int, default=None, help="num_assistant_tokens for --assistant")
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt-lookup draft length (0: off)")

@@ -175,6 +175,9 @@ def drafter_method(
                 if key in draft_options
             ]
             shape = f"tree={draft_options['tree']}" + (f"({','.join(sizes)})" if sizes else "")
+        others = {key: value for key, value in (draft_options or {}).items() if not key.startswith("tree")}
+        if others:
+            shape += " " + " ".join(f"{key}={value}" for key, value in others.items())
         if draft_length == "fixed":
             shape += " fixed"
         if lookup_tokens is not None:
