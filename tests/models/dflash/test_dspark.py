@@ -15,7 +15,6 @@ class TestDSpark(DrafterTesterMixin):
     model_class = DSparkForDrafting
     config_overrides = {"intermediate_size": 64, "block_size": 6, "markov_rank": 8}
     proposal_kind = "block"
-    no_foreign_layout_reason = "DeepSpec / SpecForge DSpark checkpoints: layout not written yet"
 
     def make_drafter(self, target, seed=0, **overrides):
         drafter = super().make_drafter(target, seed, **overrides)
@@ -205,3 +204,61 @@ def test_profile_and_calibrate_commands(tmp_path):
         AutoModelForDrafting.from_pretrained(tmp_path / "dspark").config.confidence_temperatures
         == report["temperatures"]
     )
+
+
+def test_deepspec_layout_matches_an_independent_forward_and_round_trips(tmp_path):
+    """A DeepSpec-style DSpark checkpoint (DFlash backbone + markov_head + confidence_head, flat config, its own copies
+    of the target's embeddings and LM head): the draft logits equal transformers' MuseGlimmer backbone forward (every
+    slot, the anchor's included) through the target's head plus W2 W1[previous token]."""
+    import json
+
+    from safetensors.torch import save_file
+    from test_dflash import _muse_glimmer
+
+    from hf_specdec.convert import detect_layout, export_drafter, import_drafter
+
+    target = make_target("llama")
+    model, folder = _muse_glimmer(target, tmp_path, sliding_window=256)
+    g = torch.Generator().manual_seed(3)
+    rank, hidden, vocab = 8, target.config.hidden_size, target.config.vocab_size
+    state = {k.replace("encoder.fc.", "fc.").replace("encoder.output_norm_enc.", "hidden_norm."): v
+             for k, v in model.state_dict().items()}  # fmt: skip
+    state.update({
+        "markov_head.markov_w1.weight": torch.randn(vocab, rank, generator=g),
+        "markov_head.markov_w2.weight": torch.randn(vocab, rank, generator=g) * 0.5,
+        "confidence_head.proj.weight": torch.randn(1, hidden + rank, generator=g) * 0.1,
+        "confidence_head.proj.bias": torch.zeros(1),
+        "embed_tokens.weight": target.get_input_embeddings().weight.detach().clone(),
+        "lm_head.weight": target.get_output_embeddings().weight.detach().clone(),
+    })  # fmt: skip
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg = {k: v for k, v in cfg.items() if k not in ("model_type", "layer_types", "sliding_window")}
+    cfg.update(architectures=["DSparkDraftModel"], markov_rank=rank, markov_head_type="vanilla", vocab_size=vocab,
+               enable_confidence_head=True, confidence_head_with_markov=True)  # fmt: skip
+    src = tmp_path / "deepspec"
+    src.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(src / "model.safetensors"))
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert detect_layout(str(src)) == "dspark-deepspec"
+    drafter = import_drafter(str(src), target_config=target.config).eval().bind_target(target)
+    assert isinstance(drafter, DSparkForDrafting) and drafter.drafts_per_block == 5
+    ids = torch.randint(6, 90, (1, 14), generator=g)
+    s = 8  # context: tokens 0..7; the block's anchor is token 8, the drafts predict tokens 9..13
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+        ctx = torch.cat([hs[i + 1][:, :s] for i in (0, 2)], -1)
+        noise = torch.tensor([[int(ids[0, s])] + [3] * 4])
+        ref_states = model(noise_embeds=target.get_input_embeddings()(noise), context_hidden_states=ctx,
+                           position_ids=torch.arange(s + 5)[None]).last_hidden_state  # fmt: skip
+        feats = drafter.select_target_features(hs)
+        states = drafter.block_states(ids, feats, None, torch.tensor([[s]]))
+        for k in range(5):
+            got = drafter.teacher_forced_slot_logits(states, ids, torch.tensor([[s]]), k)[0, 0]
+            prev = ids[0, s + k]
+            bias = state["markov_head.markov_w1.weight"][prev] @ state["markov_head.markov_w2.weight"].T
+            want = target.get_output_embeddings()(ref_states[0, k]) + bias
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    out = export_drafter(drafter, str(tmp_path / "out"), "dspark-deepspec", target=target)
+    again = import_drafter(out, target_config=target.config)
+    for name, tensor in drafter.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[name], tensor)

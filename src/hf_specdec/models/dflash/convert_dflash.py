@@ -24,6 +24,8 @@ _ENCODER = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": 
 
 
 def _detect_zlab(config: dict, keys: set) -> bool:
+    if "markov_head.markov_w1.weight" in keys:  # DSpark weights, whatever the class label says
+        return False
     return "DFlashDraftModel" in (config.get("architectures") or []) or (
         isinstance(config.get("dflash_config"), dict) and "fc.weight" in keys and "hidden_norm.weight" in keys
     )
@@ -33,7 +35,15 @@ def _detect_muse(config: dict, keys: set) -> bool:
     return config.get("model_type") == "muse_glimmer_assistant" or "encoder.output_norm_enc.weight" in keys
 
 
-def _load(config: dict, state: dict, target: dict, block: dict) -> DFlashForDrafting:
+def _load(
+    config: dict,
+    state: dict,
+    target: dict,
+    block: dict,
+    config_class=DFlashConfig,
+    model_class=DFlashForDrafting,
+    **extra,
+) -> DFlashForDrafting:
     """Builds the drafter from the layer fields of ``config`` and ``block`` (``block_size``, ``mask_token_id``,
     ``target_layer_ids`` as layer ids) and loads ``state`` (hf_specdec names)."""
     hidden = int(config["hidden_size"])
@@ -53,7 +63,7 @@ def _load(config: dict, state: dict, target: dict, block: dict) -> DFlashForDraf
     theta, rope = rope_scaling_from_config(config)
     heads = int(config["num_attention_heads"])
     layers = int(config["num_hidden_layers"])
-    cfg = DFlashConfig(
+    cfg = config_class(
         target_model_name_or_path=target.get("name_or_path"),
         target_model_type=target.get("model_type"),
         target_hidden_size=hidden,
@@ -76,14 +86,18 @@ def _load(config: dict, state: dict, target: dict, block: dict) -> DFlashForDraf
         mask_token_id=int(block["mask_token_id"]),
         layer_types=list(config.get("layer_types") or ["full_attention"] * layers),
         sliding_window=config.get("sliding_window"),
+        **extra,
     )
-    drafter = DFlashForDrafting(cfg)
+    drafter = model_class(cfg)
     own = drafter.state_dict()
     wanted = {k: v for k, v in state.items() if k in own}
     missing = sorted(k for k in own if k not in wanted and k not in ("d2t", "t2d"))
-    extra = sorted(k for k in state if k not in own and not k.startswith(("embed_tokens.", "lm_head.")))
-    if missing or extra:
-        raise ValueError(f"Not a DFlash checkpoint hf_specdec can load: missing {missing[:4]}, unexpected {extra[:4]}.")
+    unexpected = sorted(k for k in state if k not in own and not k.startswith(("embed_tokens.", "lm_head.")))
+    if missing or unexpected:
+        raise ValueError(
+            f"Not a {model_class.__name__} checkpoint hf_specdec can load: missing {missing[:4]}, unexpected "
+            f"{unexpected[:4]}."
+        )
     drafter.load_state_dict({**own, **{k: v.to(own[k].dtype) for k, v in wanted.items()}})
     return drafter.eval()
 
@@ -184,5 +198,73 @@ register_layout(
         detect=_detect_muse,
         load=load_muse,
         save=save_muse,
+    )
+)
+
+
+# -- DSpark (DeepSpec DSparkDraftModel) ---------------------------------------------------------------------------------
+def _detect_dspark(config: dict, keys: set) -> bool:
+    return "DSparkDraftModel" in (config.get("architectures") or []) or "markov_head.markov_w1.weight" in keys
+
+
+def load_dspark(config: dict, state: dict, target: dict):
+    """DeepSpec's ``DSparkDraftModel``: a flat Qwen3 config with ``block_size``, ``mask_token_id``,
+    ``target_layer_ids`` (layer ids), ``markov_rank``, ``markov_head_type``, ``enable_confidence_head``,
+    ``confidence_head_with_markov``; the DFlash backbone weights plus ``markov_head.markov_w{1,2}`` and
+    ``confidence_head.proj``, and its own copies of the target's ``embed_tokens`` / ``lm_head`` (ignored: hf_specdec
+    borrows the target's)."""
+    from .configuration_dspark import DSparkConfig
+    from .modeling_dspark import DSparkForDrafting
+
+    kind = str(config.get("markov_head_type", "vanilla")).lower()
+    if kind != "vanilla" or not int(config.get("markov_rank") or 0):
+        raise ValueError(
+            f"hf_specdec's DSpark has the vanilla Markov head; this checkpoint has {kind!r} (rank {config.get('markov_rank')})."
+        )
+    if not config.get("enable_confidence_head", True) or not config.get("confidence_head_with_markov", True):
+        raise ValueError("hf_specdec's DSpark confidence head reads [h; W1[x]]; this checkpoint's does not.")
+    vocab = int(target.get("vocab_size") or config["vocab_size"])
+    head = state.get("lm_head.weight")
+    if head is not None and head.shape[0] != vocab:
+        raise ValueError(
+            f"This DSpark checkpoint's LM head has {head.shape[0]} rows, the target's vocabulary {vocab}: a restricted "
+            "draft vocabulary without its id map cannot be imported."
+        )
+    state = {k: v for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}
+    block = {k: config[k] for k in ("block_size", "mask_token_id", "target_layer_ids")}
+    return _load(config, state, target, block, DSparkConfig, DSparkForDrafting, markov_rank=int(config["markov_rank"]))
+
+
+def save_dspark(drafter, out_dir: str, target=None) -> None:
+    if target is None:
+        raise ValueError("The DSpark layout ships the target's embeddings and LM head: pass the target (--target).")
+    cfg = drafter.config
+    config = {
+        "architectures": ["DSparkDraftModel"],
+        "model_type": "qwen3",
+        **_fields(drafter),
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": [i - 1 for i in cfg.target_layer_ids],
+        "num_target_layers": cfg.target_num_hidden_layers,
+        "markov_rank": cfg.markov_rank,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+    }
+    weights = _weights(drafter)
+    weights["embed_tokens.weight"] = target.get_input_embeddings().weight
+    weights["lm_head.weight"] = target.get_output_embeddings().weight
+    write_checkpoint(out_dir, config, weights)
+
+
+register_layout(
+    Layout(
+        name="dspark-deepspec",
+        family="dspark_drafter",
+        description="DeepSpec DSparkDraftModel (DFlash backbone + markov_head.markov_w1/w2 + confidence_head.proj, flat "
+        "Qwen3 config; ships copies of the target's embeddings and LM head)",
+        detect=_detect_dspark,
+        load=load_dspark,
+        save=save_dspark,
     )
 )
