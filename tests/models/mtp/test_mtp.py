@@ -116,6 +116,9 @@ def test_native_mtp_layers_import_match_an_independent_forward_and_draft(tmp_pat
     ids2, mask = ragged_batch(3)
     kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False)
     assert torch.equal(target.generate(ids2, assistant_model=drafter, **kw), target.generate(ids2, **kw))
+    # ... and through the Auto API, straight from the target's own folder
+    auto = AutoModelForDrafting.from_pretrained(str(folder), target_config=target.config)
+    assert isinstance(auto, MtpForDrafting) and auto.config.num_mtp_modules == 2
     # export writes the same layout back
     out = export_drafter(drafter, str(tmp_path / "exported"), "mtp-layers")
     again = import_drafter(out, target_config=target.config)
