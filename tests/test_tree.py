@@ -268,7 +268,7 @@ def test_tree_scores_and_logits_follow_the_accepted_path(batch):
         output_scores=True, output_logits=True, eos_token_id=None,
     )  # fmt: skip
     ref = target.generate(ids, **kwargs)
-    out = target.generate(ids, assistant_model=drafter, tree="static", tree_choices=ORACLE_TREE, **kwargs)
+    out = target.generate(ids, assistant_model=drafter, tree="static", tree_choices=ORACLE_TREE, **FIXED_K, **kwargs)
     assert torch.equal(out.sequences, ref.sequences)
     assert max(max(r) for r in out.accepted_lengths) == 4
     for a, b in zip(out.scores, ref.scores):
@@ -288,8 +288,9 @@ def test_prefix_dependent_processors_see_each_nodes_own_path(options):
     drafter = _oracle_tree(target, ids, mask, 30, corruption=0.2)
     drafter.continuation = torch.cat([ref[:, ids.shape[1] :], ref[:, -8:]], dim=1)
     out = target.generate(
-        ids, assistant_model=drafter, tree="static", tree_choices=ORACLE_TREE, return_dict_in_generate=True, **kwargs
-    )
+        ids, assistant_model=drafter, tree="static", tree_choices=ORACLE_TREE, return_dict_in_generate=True,
+        **FIXED_K, **kwargs,
+    )  # fmt: skip
     assert torch.equal(out.sequences, ref)
     assert max(max(r) for r in out.accepted_lengths) == 4
 
@@ -300,8 +301,9 @@ def test_oracle_tree_accepts_deep_ragged_paths_and_stays_identical():
     drafter = _oracle_tree(target, ids, mask, 40, corruption=0.3)
     kwargs = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None)
     out = target.generate(
-        ids, assistant_model=drafter, tree="static", tree_choices=ORACLE_TREE, return_dict_in_generate=True, **kwargs
-    )
+        ids, assistant_model=drafter, tree="static", tree_choices=ORACLE_TREE, return_dict_in_generate=True,
+        **FIXED_K, **kwargs,
+    )  # fmt: skip
     assert torch.equal(out.sequences, target.generate(ids, **kwargs))
     acc = out.accepted_lengths
     assert max(max(r) for r in acc) == 4 and min(min(r) for r in acc) == 1
@@ -313,9 +315,10 @@ def test_cache_after_tree_passes_equals_a_fresh_forward_over_the_output():
     ids = torch.randint(6, 90, (1, 8), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     drafter = _oracle_tree(target, ids, mask, 20, corruption=0.2)
+    # A fixed draft length: the adaptive one reads measured timings, and may take plain steps under load.
     out = target.generate(
         ids, assistant_model=drafter, tree="static", tree_choices=ORACLE_TREE, max_new_tokens=20,
-        do_sample=False, eos_token_id=None, return_dict_in_generate=True,
+        do_sample=False, eos_token_id=None, return_dict_in_generate=True, **FIXED_K,
     )  # fmt: skip
     assert max(max(r) for r in out.accepted_lengths) == 4  # whole right paths (nodes 1, 3, 5) were accepted
     seq = out.sequences[:, :-1]  # the cache covers every token but the last one
