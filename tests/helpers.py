@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import string
 
+import torch
+
 from hf_specdec.testing import ARCHS, BOS, EOS, PAD, VOCAB, make_oracle_drafter, ragged_batch, tiny_target
 
 make_target = tiny_target
@@ -81,3 +83,37 @@ def chat_workspace(root, num_prompts: int = 12, seed: int = 0):
             words = " ".join("".join(rng.choice("abcdefgh") for _ in range(4)) for _ in range(3))
             fh.write(json.dumps({"id": i, "messages": [{"role": "user", "content": words}]}) + "\n")
     return target, tok, rng
+
+
+def rms(x, w, eps):
+    """RMSNorm by hand."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def llama_layer_by_hand(state, prefix, cfg, x, theta, input_norm=True):
+    """A Llama decoder layer by hand over one sequence (batch 1, positions 0..T-1, causal, no cache), from a state dict
+    (``prefix`` + ``self_attn.*``, ``mlp.*``, the norms); ``input_norm=False``: a layer without ``input_layernorm``
+    (EAGLE-1's). An independent reference for the layouts' tests."""
+    import torch.nn.functional as F
+
+    t, h, kvh = x.shape[1], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg["hidden_size"] // h
+    y = rms(x, state[prefix + "input_layernorm.weight"], cfg["rms_norm_eps"]) if input_norm else x
+    q = (y @ state[prefix + "self_attn.q_proj.weight"].T).view(1, t, h, hd).transpose(1, 2)
+    k = (y @ state[prefix + "self_attn.k_proj.weight"].T).view(1, t, kvh, hd).transpose(1, 2)
+    v = (y @ state[prefix + "self_attn.v_proj.weight"].T).view(1, t, kvh, hd).transpose(1, 2)
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2).float() / hd))
+    ang = torch.arange(t).float()[:, None] * inv[None]
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+
+    def rot(z):
+        z1, z2 = z[..., : hd // 2], z[..., hd // 2 :]
+        return z * cos + torch.cat([-z2, z1], -1) * sin
+
+    q, k = rot(q), rot(k)
+    k, v = k.repeat_interleave(h // kvh, 1), v.repeat_interleave(h // kvh, 1)
+    att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, t, -1)
+    x = x + att @ state[prefix + "self_attn.o_proj.weight"].T
+    y = rms(x, state[prefix + "post_attention_layernorm.weight"], cfg["rms_norm_eps"])
+    mlp = F.silu(y @ state[prefix + "mlp.gate_proj.weight"].T) * (y @ state[prefix + "mlp.up_proj.weight"].T)
+    return x + mlp @ state[prefix + "mlp.down_proj.weight"].T

@@ -227,6 +227,25 @@ class DrafterPreTrainedModel(PreTrainedModel):
         # Plain dict: keeps borrowed target modules out of `named_modules()` / `state_dict()`.
         self.__dict__["_bound"] = {}
 
+    def _init_weights(self, module: nn.Module) -> None:
+        """Default initialisation: linear weights ``N(0, initializer_range)`` (zeros for a leaf marked
+        ``zero_init = True``), zero biases, embeddings ``N(0, initializer_range)``, norms to one, rotary tables
+        rebuilt. Special initialisation belongs on leaf modules (``post_init`` may skip non-leaf branches)."""
+        from .layers import RMSNorm, RotaryEmbedding
+
+        std = float(getattr(self.config, "initializer_range", 0.02))
+        if isinstance(module, nn.Linear):
+            if getattr(module, "zero_init", False):
+                nn.init.zeros_(module.weight)
+            else:
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, (RMSNorm, RotaryEmbedding)):
+            module.reset_parameters()
+
     # ------------------------------------------------------------------------------------------------------------
     # loading: strict by default
     # ------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from drafter_tester import DrafterTesterMixin
-from helpers import make_target, ragged_batch
+from helpers import llama_layer_by_hand, make_target, ragged_batch
 from safetensors.torch import save_file
 
 from hf_specdec import AutoModelForDrafting, Eagle1Config, Eagle1ForDrafting
@@ -34,35 +34,10 @@ def _drafter(target, **kw):
     )
 
 
-def _rms(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
 def _independent_forward(state, cfg, emb, feat, lm_head):
     """The SafeAILab layer by hand over one sequence (batch 1, positions 0..T-1, causal, no cache)."""
     x = F.linear(torch.cat([emb, feat], -1), state["fc.weight"], state.get("fc.bias"))
-    t, h = x.shape[1], cfg["num_attention_heads"]
-    kvh, hd = cfg["num_key_value_heads"], cfg["hidden_size"] // cfg["num_attention_heads"]
-    p = "layers.0."
-    q = (x @ state[p + "self_attn.q_proj.weight"].T).view(1, t, h, hd).transpose(1, 2)
-    k = (x @ state[p + "self_attn.k_proj.weight"].T).view(1, t, kvh, hd).transpose(1, 2)
-    v = (x @ state[p + "self_attn.v_proj.weight"].T).view(1, t, kvh, hd).transpose(1, 2)
-    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
-    ang = torch.arange(t).float()[:, None] * inv[None]
-    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-
-    def rot(z):
-        z1, z2 = z[..., : hd // 2], z[..., hd // 2 :]
-        return z * cos + torch.cat([-z2, z1], -1) * sin
-
-    q, k = rot(q), rot(k)
-    k, v = k.repeat_interleave(h // kvh, 1), v.repeat_interleave(h // kvh, 1)
-    att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, t, -1)
-    x = x + att @ state[p + "self_attn.o_proj.weight"].T
-    y = _rms(x, state[p + "post_attention_layernorm.weight"], cfg["rms_norm_eps"])
-    mlp = F.silu(y @ state[p + "mlp.gate_proj.weight"].T) * (y @ state[p + "mlp.up_proj.weight"].T)
-    x = x + mlp @ state[p + "mlp.down_proj.weight"].T
-    return lm_head(x)
+    return lm_head(llama_layer_by_hand(state, "layers.0.", cfg, x, cfg["rope_theta"], input_norm=False))
 
 
 def test_import_matches_an_independent_forward_of_the_safeailab_layout(tmp_path):

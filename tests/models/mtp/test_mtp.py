@@ -5,9 +5,8 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from drafter_tester import DrafterTesterMixin
-from helpers import make_target, ragged_batch
+from helpers import llama_layer_by_hand, make_target, ragged_batch, rms
 from safetensors.torch import save_file
 
 from hf_specdec import AutoModelForDrafting, MtpConfig, MtpForDrafting
@@ -31,38 +30,6 @@ class TestMtpTwoModules(TestMtp):
     depth's nodes to the cache of the module that drafts them."""
 
     config_overrides = {"intermediate_size": 64, "num_mtp_modules": 2}
-
-
-def _rms(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _layer_forward(state, p, cfg, x):
-    """A dense Llama decoder layer by hand (batch 1, positions 0..T-1, causal)."""
-    t, h, kvh = x.shape[1], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = cfg["hidden_size"] // h
-    y = _rms(x, state[p + "input_layernorm.weight"], cfg["rms_norm_eps"])
-    q = (y @ state[p + "self_attn.q_proj.weight"].T).view(1, t, h, hd).transpose(1, 2)
-    k = (y @ state[p + "self_attn.k_proj.weight"].T).view(1, t, kvh, hd).transpose(1, 2)
-    v = (y @ state[p + "self_attn.v_proj.weight"].T).view(1, t, kvh, hd).transpose(1, 2)
-    inv = 1.0 / (cfg["rope_parameters"]["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
-    ang = torch.arange(t).float()[:, None] * inv[None]
-    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-
-    def rot(z):
-        z1, z2 = z[..., : hd // 2], z[..., hd // 2 :]
-        return z * cos + torch.cat([-z2, z1], -1) * sin
-
-    q, k = rot(q), rot(k)
-    k, v = k.repeat_interleave(h // kvh, 1), v.repeat_interleave(h // kvh, 1)
-    att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, t, -1)
-    x = x + att @ state[p + "self_attn.o_proj.weight"].T
-    y = _rms(x, state[p + "post_attention_layernorm.weight"], cfg["rms_norm_eps"])
-    return (
-        x
-        + (F.silu(y @ state[p + "mlp.gate_proj.weight"].T) * (y @ state[p + "mlp.up_proj.weight"].T))
-        @ state[p + "mlp.down_proj.weight"].T
-    )
 
 
 def _native_checkpoint(tmp_path, target, num_modules=2, extra=None):
@@ -108,9 +75,9 @@ def test_native_mtp_layers_import_match_an_independent_forward_and_draft(tmp_pat
         # DeepSeek-V3's module 1: h' = eh_proj([enorm(Emb(t_{i+1})); hnorm(h_i)]), h = norm(block(h')), head(h)
         p, eps = f"model.layers.{cfg['num_hidden_layers']}.", cfg["rms_norm_eps"]
         emb = target.get_input_embeddings()(torch.cat([ids[:, 1:], ids[:, -1:]], 1))
-        x = torch.cat([_rms(emb, mtp[p + "enorm.weight"], eps), _rms(feats, mtp[p + "hnorm.weight"], eps)], -1)
-        x = _layer_forward(mtp, p, cfg, x @ mtp[p + "eh_proj.weight"].T)
-        want = _rms(x, mtp[p + "shared_head.norm.weight"], eps) @ mtp[p + "shared_head.head.weight"].T
+        x = torch.cat([rms(emb, mtp[p + "enorm.weight"], eps), rms(feats, mtp[p + "hnorm.weight"], eps)], -1)
+        x = llama_layer_by_hand(mtp, p, cfg, x @ mtp[p + "eh_proj.weight"].T, cfg["rope_parameters"]["rope_theta"])
+        want = rms(x, mtp[p + "shared_head.norm.weight"], eps) @ mtp[p + "shared_head.head.weight"].T
     torch.testing.assert_close(step0, want, rtol=1e-4, atol=1e-4)
     # the target that ships the layers drafts for itself, identically to its own greedy decoding
     ids2, mask = ragged_batch(3)

@@ -125,14 +125,6 @@ class DFlashForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
     def build_extra_modules(self, config) -> None:
         """Modules a family built on this backbone adds (before ``post_init``, so they get its init)."""
 
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, (RMSNorm, RotaryEmbedding)):
-            module.reset_parameters()
-
     @property
     def block_size(self) -> int:
         return int(self.config.block_size)

@@ -137,7 +137,7 @@ class DSparkMarkovHead(nn.Module):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
-        self.markov_w2.dspark_zero_init = True  # a fresh correction adds nothing: the backbone's logits at first
+        self.markov_w2.zero_init = True  # a fresh correction adds nothing: the backbone's logits at first
 
     def forward(self, previous: torch.Tensor) -> torch.Tensor:
         return self.markov_w2(self.markov_w1(previous))
@@ -172,13 +172,6 @@ class DSparkForDrafting(DFlashForDrafting):
     def build_extra_modules(self, config: DSparkConfig) -> None:
         self.markov_head = DSparkMarkovHead(config.target_vocab_size, config.draft_vocab_size, config.markov_rank)
         self.confidence_head = DSparkConfidenceHead(config.hidden_size + config.markov_rank)
-
-    def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
-        if isinstance(module, nn.Linear) and getattr(module, "dspark_zero_init", False):
-            nn.init.zeros_(module.weight)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
 
     # -- the sequential correction and the confidence head ------------------------------------------------------------
     def correction(self, previous: torch.Tensor) -> torch.Tensor:

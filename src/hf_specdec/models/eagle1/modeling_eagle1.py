@@ -63,14 +63,6 @@ class Eagle1ForDrafting(FeatureAutoregressiveMixin, ReducedVocabularyMixin, Draf
         self.register_vocabulary_buffers(config)
         self.post_init()
 
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, (RMSNorm, RotaryEmbedding)):
-            module.reset_parameters()
-
     # -- the pieces FeatureAutoregressiveMixin drafts with ------------------------------------------------------------
     def fuse_target_features(self, features) -> torch.Tensor:
         feats = features[0] if isinstance(features, (list, tuple)) else features

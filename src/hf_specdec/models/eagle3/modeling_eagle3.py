@@ -104,15 +104,6 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, ReducedVocabularyMixin, Draf
         self.register_vocabulary_buffers(config)
         self.post_init()
 
-    def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, (RMSNorm, RotaryEmbedding)):
-            module.reset_parameters()
-
     def check_target_layer_ids(self) -> None:
         n_feats = self.fc.in_features // self.config.target_hidden_size
         if len(self.config.target_layer_ids or ()) != n_feats:

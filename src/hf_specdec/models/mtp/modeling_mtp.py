@@ -114,14 +114,6 @@ class MtpForDrafting(FeatureAutoregressiveMixin, ReducedVocabularyMixin, Drafter
         self.register_vocabulary_buffers(config)
         self.post_init()
 
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, (RMSNorm, RotaryEmbedding)):
-            module.reset_parameters()
-
     @property
     def num_modules(self) -> int:
         return len(self.layers)
