@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 
 __all__ = [
     "DrafterConfig",
+    "DecoderDrafterConfig",
     "get_text_config",
     "decoder_layer_defaults",
     "fill_decoder_layer_defaults",
@@ -253,6 +254,40 @@ def fill_decoder_layer_defaults(config) -> None:
     )
     if config.target_layer_ids is None and config.target_num_hidden_layers is not None:
         config.target_layer_ids = config.default_target_layer_ids(config.target_num_hidden_layers)
+
+
+class DecoderDrafterConfig(DrafterConfig):
+    r"""Base of the families whose drafter runs decoder layers at the target's width (feature-level and block drafters):
+    the layer fields, shaped like one of the target's by :meth:`for_target` (sizes, attention shape, norm epsilon,
+    RoPE with its scaling, context length, activation) and filled from the hidden size where unset.
+
+    Args:
+        hidden_size / intermediate_size / num_attention_heads / num_key_value_heads / head_dim / hidden_act /
+            rms_norm_eps / rope_theta / rope_scaling_parameters / max_position_embeddings / attention_bias: the draft
+            decoder layer(s).
+        initializer_range (`float`, defaults to 0.02): std of the weights' normal initialisation.
+    """
+
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    rope_scaling_parameters: dict | None = None
+    attention_bias: bool = False
+    initializer_range: float = 0.02
+
+    def __post_init__(self, **kwargs):
+        fill_decoder_layer_defaults(self)
+        super().__post_init__(**kwargs)
+
+    @classmethod
+    def architecture_defaults(cls, text_config: PretrainedConfig) -> dict[str, Any]:
+        return decoder_layer_defaults(text_config)
 
 
 def fill_heads_defaults(config) -> None:

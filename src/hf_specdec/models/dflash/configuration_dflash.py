@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from transformers import PretrainedConfig
-
 from ...configuration_utils import (
-    DrafterConfig,
-    decoder_layer_defaults,
-    fill_decoder_layer_defaults,
+    DecoderDrafterConfig,
     validate_decoder_layer,
 )
 
@@ -19,7 +13,7 @@ __all__ = ["DFlashConfig"]
 _GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
-class DFlashConfig(DrafterConfig):
+class DFlashConfig(DecoderDrafterConfig):
     r"""Configuration of :class:`DFlashForDrafting` (DFlash, Chen, Liang and Liu, arXiv 2602.06036).
 
     A block ``[anchor, MASK, ..., MASK]`` of ``block_size`` tokens (the anchor is the last verified token, MASK the
@@ -51,17 +45,6 @@ class DFlashConfig(DrafterConfig):
 
     model_type = "dflash_drafter"
 
-    hidden_size: int | None = None
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096
-    rope_scaling_parameters: dict | None = None
-    attention_bias: bool = False
     num_hidden_layers: int = 2
     block_size: int = 8
     mask_token_id: int | None = None
@@ -70,11 +53,9 @@ class DFlashConfig(DrafterConfig):
     loss_labels: str = "soft"
     sliding_window: int | None = None
     layer_types: list | None = None
-    initializer_range: float = 0.02
     num_draft_tokens: int | None = None
 
     def __post_init__(self, **kwargs):
-        fill_decoder_layer_defaults(self)
         if self.num_draft_tokens is None and isinstance(self.block_size, int) and self.block_size >= 2:
             self.num_draft_tokens = self.drafts_per_block
         if self.layer_types is None and isinstance(self.num_hidden_layers, int):
@@ -90,10 +71,6 @@ class DFlashConfig(DrafterConfig):
         last = max(num_layers - 3, 1)
         ids = sorted({round(1 + (last - 1) * i / 2) for i in range(3)})
         return [min(i + 1, num_layers) for i in ids]
-
-    @classmethod
-    def architecture_defaults(cls, text_config: PretrainedConfig) -> dict[str, Any]:
-        return decoder_layer_defaults(text_config)
 
     @property
     def drafts_per_block(self) -> int:

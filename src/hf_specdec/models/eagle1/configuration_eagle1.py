@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from transformers import PretrainedConfig
-
 from ...configuration_utils import (
-    DrafterConfig,
-    decoder_layer_defaults,
-    fill_decoder_layer_defaults,
+    DecoderDrafterConfig,
     validate_decoder_layer,
 )
 
 __all__ = ["Eagle1Config"]
 
 
-class Eagle1Config(DrafterConfig):
+class Eagle1Config(DecoderDrafterConfig):
     r"""Configuration of :class:`Eagle1ForDrafting` (EAGLE-1, Li et al. 2024, arXiv 2401.15077).
 
     Feature-level autoregression on the target's top feature ``f`` (its final hidden state, the LM head's input,
@@ -42,37 +36,17 @@ class Eagle1Config(DrafterConfig):
 
     model_type = "eagle1_drafter"
 
-    hidden_size: int | None = None
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096
-    rope_scaling_parameters: dict | None = None
-    attention_bias: bool = False
     fc_bias: bool = True
     feature_loss_weight: float = 1.0
     token_loss_weight: float = 0.1
     feature_noise: float = 0.1
     ttt_steps: int = 1
     ttt_decay: float = 0.8
-    initializer_range: float = 0.02
     num_draft_tokens: int = 5
-
-    def __post_init__(self, **kwargs):
-        fill_decoder_layer_defaults(self)
-        super().__post_init__(**kwargs)
 
     @classmethod
     def default_target_layer_ids(cls, num_layers: int) -> list[int]:
         return [num_layers]  # the top feature: the final hidden state, the LM head's input
-
-    @classmethod
-    def architecture_defaults(cls, text_config: PretrainedConfig) -> dict[str, Any]:
-        return decoder_layer_defaults(text_config)
 
     def validate_drafter(self, require_complete: bool = False) -> None:
         super().validate_drafter(require_complete)

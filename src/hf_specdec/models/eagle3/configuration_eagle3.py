@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from transformers import PretrainedConfig
-
 from ...configuration_utils import (
-    DrafterConfig,
-    decoder_layer_defaults,
-    fill_decoder_layer_defaults,
+    DecoderDrafterConfig,
     validate_decoder_layer,
 )
 
 __all__ = ["Eagle3Config"]
 
 
-class Eagle3Config(DrafterConfig):
+class Eagle3Config(DecoderDrafterConfig):
     r"""Configuration of :class:`Eagle3ForDrafting` (EAGLE-3, Li et al. 2025, arXiv 2503.01840).
 
     The drafter fuses three target hidden states (low, mid, high) with ``fc`` (``3·target_hidden_size → hidden_size``),
@@ -52,35 +46,15 @@ class Eagle3Config(DrafterConfig):
     model_type = "eagle3_drafter"
     num_default_target_features = 3  # low, mid, high: what `fc` fuses when target_layer_ids are left to defaults
 
-    hidden_size: int | None = None
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096
-    rope_scaling_parameters: dict | None = None
-    attention_bias: bool = False
     norm_before_residual: bool = False
     norm_output: bool = True
-    initializer_range: float = 0.02
     num_draft_tokens: int = 5
     ttt_steps: int | None = None  # training: draft steps unrolled in the loss (None: num_draft_tokens)
     ttt_decay: float = 0.8  # training: weight ttt_decay**j of step j in the loss
 
-    def __post_init__(self, **kwargs):
-        fill_decoder_layer_defaults(self)
-        super().__post_init__(**kwargs)
-
     @classmethod
     def default_target_layer_ids(cls, num_layers: int) -> list[int]:
         return [min(max(i, 1), num_layers) for i in (2, num_layers // 2, num_layers - 3)]
-
-    @classmethod
-    def architecture_defaults(cls, text_config: PretrainedConfig) -> dict[str, Any]:
-        return decoder_layer_defaults(text_config)
 
     def validate_drafter(self, require_complete: bool = False) -> None:
         super().validate_drafter(require_complete)

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from transformers import PretrainedConfig
-
 from ...configuration_utils import (
-    DrafterConfig,
-    decoder_layer_defaults,
-    fill_decoder_layer_defaults,
+    DecoderDrafterConfig,
     validate_decoder_layer,
 )
 
 __all__ = ["MtpConfig"]
 
 
-class MtpConfig(DrafterConfig):
+class MtpConfig(DecoderDrafterConfig):
     r"""Configuration of :class:`MtpForDrafting`, DeepSeek-V3-style multi-token prediction modules (arXiv 2412.19437
     §2.2) trained post hoc for any target.
 
@@ -52,37 +46,17 @@ class MtpConfig(DrafterConfig):
 
     model_type = "mtp_drafter"
 
-    hidden_size: int | None = None
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096
-    rope_scaling_parameters: dict | None = None
-    attention_bias: bool = False
     num_mtp_modules: int = 1
     ttt_steps: int | None = None
     ttt_decay: float = 1.0
     loss_labels: str = "soft"
     hidden_states_first: bool = False
     use_post_norm: bool = True
-    initializer_range: float = 0.02
     num_draft_tokens: int = 4
-
-    def __post_init__(self, **kwargs):
-        fill_decoder_layer_defaults(self)
-        super().__post_init__(**kwargs)
 
     @classmethod
     def default_target_layer_ids(cls, num_layers: int) -> list[int]:
         return [num_layers]  # h^0: the target's final hidden state, the LM head's input
-
-    @classmethod
-    def architecture_defaults(cls, text_config: PretrainedConfig) -> dict[str, Any]:
-        return decoder_layer_defaults(text_config)
 
     @property
     def unrolled_steps(self) -> int:
