@@ -66,11 +66,13 @@ class VarLenDrafter(DrafterPreTrainedModel):
             tokens, draft_probs = self.continuation.gather(1, idx), None
         col = torch.arange(num_tokens)[None]
         tokens = torch.where(col < lengths[:, None], tokens, state["root"].argmax(-1)[:, None])
-        width = int(lengths.max())  # every row may stop early: the proposal can be narrower than asked
+        # every row may stop early: the proposal can be narrower than asked (or keep its padding, untrimmed)
+        width = int(lengths.max()) if getattr(self, "trim", True) else num_tokens
         if draft_probs is not None:
             draft_probs = draft_probs[:, :width]
         proposal = Proposal(tokens=tokens[:, :width], draft_probs=draft_probs, lengths=lengths)
         state["proposals"].append(proposal)
+        self.state_proposals = state["proposals"]
         return proposal
 
 
@@ -169,3 +171,27 @@ def test_a_proposal_longer_than_asked_is_refused():
         target.generate(ids, assistant_model=drafter, max_new_tokens=8, do_sample=False)
     with pytest.raises(ValueError, match="lengths must lie"):
         Proposal(tokens=torch.zeros(2, 3, dtype=torch.long), lengths=torch.tensor([1, 4]))
+
+
+def test_the_target_pass_runs_only_up_to_the_longest_proposed_row():
+    """A proposal whose rows all stop early (lengths) but that keeps its padding nodes is cut by the loop: the target
+    pass covers the bonus slot plus the longest row, not the padding behind it (what makes a length scheduler pay)."""
+    target = make_target("llama", seed=3)
+    ids, mask = ragged_batch(3, seed=2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=None)
+    ref = target.generate(ids, **kwargs)
+    drafter = _drafter(target, seed=4, k=6)
+    drafter.trim = False
+    drafter.continuation = torch.cat([ref[:, ids.shape[1] :], ref[:, -8:]], dim=1)
+    widths = []
+    hook = target.register_forward_pre_hook(
+        lambda module, args, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs, **FIXED_K)
+    finally:
+        hook.remove()
+    assert torch.equal(out.sequences, ref) and drafter.violations == 0
+    proposed = [int(p.lengths.max()) for p in drafter.state_proposals]
+    passes = widths[1 : 1 + len(proposed)]  # after the prefill, one target pass per proposal (then plain steps)
+    assert passes == [n + 1 for n in proposed] and min(proposed) < 6  # cut below the asked 6

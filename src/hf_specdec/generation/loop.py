@@ -721,6 +721,7 @@ def speculative_generate(
             proposal = drafter.propose(state, k, selector)
             stats.draft_steps += proposal.num_nodes
             _check_proposal(proposal, bsz, k, drafter)
+            _trim_linear(proposal)
             if lookup_tokens > k and limit > k:
                 proposal, copied = merge_lookup(proposal, seq, starts, lengths, min(lookup_tokens, limit))
                 stats.lookup_rows += int(copied.sum())
@@ -869,6 +870,18 @@ def _gather_cols(x: torch.Tensor, cols: torch.LongTensor) -> torch.Tensor:
     """``x[b, cols[b, j]]`` for a ``(batch, T, ...)`` tensor."""
     idx = cols.to(x.device).view(*cols.shape, *([1] * (x.dim() - 2))).expand(*cols.shape, *x.shape[2:])
     return x.gather(1, idx)
+
+
+def _trim_linear(proposal: Proposal) -> None:
+    """Cuts a chain or block whose rows all stop early (``Proposal.lengths``) to its longest row, in place: the target
+    pass then runs no node that no row verifies (a scheduler's short lengths shorten the pass)."""
+    if not proposal.is_linear or proposal.lengths is None or proposal.num_nodes == 0:
+        return
+    keep = int(proposal.lengths.max())
+    if keep < proposal.num_nodes:
+        proposal.tokens = proposal.tokens[:, :keep]
+        if proposal.draft_probs is not None:
+            proposal.draft_probs = proposal.draft_probs[:, :keep]
 
 
 def _tree_scores(processor: ScoreProcessor, raw, seq, lengths, proposal: Proposal):
