@@ -11,12 +11,9 @@
 #      on 16 mt_bench prompts (batches are formed within a category);
 #   5. the draft cost c of DFlash against EAGLE-3 at the same fixed length (7 drafts per pass, no copies, batch 1,
 #      one prompt per category);
-#   6. DSpark with ASD (the paper's pairing) on the held-out arithmetic problems, at the settings frozen for EAGLE-3 by
-#      scripts/asd_audit_smollm2.sh (B = 1, g = 0.5, M = 2; not re-tuned for DSpark), fixed K, no copies.
 # Outputs in model_cards/results/: smollm2-profile.json, smollm2-dspark-calibration.json,
 # smollm2-block-families.{json,md,png}, smollm2-dspark-schedule.{json,md,png}, smollm2-dspark-schedule-batched.{json,md,png},
-# smollm2-draft-cost.{json,md,png},
-# smollm2-dspark-asd-arithmetic.{json,md,png}.
+# smollm2-draft-cost.{json,md,png}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/smollm2-families}
@@ -39,6 +36,3 @@ hf-specdec bench --target smollm2 --prompts spec-bench --categories mt_bench --m
 hf-specdec bench --target smollm2 --prompts spec-bench --max-prompts 1 --max-new-tokens 128 --threads 2 --no-peers \
     --drafter "$RUN/eagle3" "$RUN/dflash" --num-draft-tokens 7 --draft-length fixed --lookup-tokens 0 \
     --out "$OUT" --stem smollm2-draft-cost
-hf-specdec bench --target smollm2 --task arithmetic --split test --max-prompts 60 --max-new-tokens 256 --threads 2 \
-    --no-peers --drafter "$RUN/dspark" --draft-length fixed --lookup-tokens 0 \
-    --verifier asd --asd-budget 1.0 --asd-gate 0.5 --asd-block-cap 2 --out "$OUT" --stem smollm2-dspark-asd-arithmetic
