@@ -15,6 +15,8 @@ from transformers import PretrainedConfig
 __all__ = [
     "DrafterConfig",
     "DecoderDrafterConfig",
+    "decoder_layer_fields",
+    "decoder_layer_config_dict",
     "get_text_config",
     "decoder_layer_defaults",
     "fill_decoder_layer_defaults",
@@ -288,6 +290,47 @@ class DecoderDrafterConfig(DrafterConfig):
     @classmethod
     def architecture_defaults(cls, text_config: PretrainedConfig) -> dict[str, Any]:
         return decoder_layer_defaults(text_config)
+
+
+def decoder_layer_fields(config: dict) -> dict[str, Any]:
+    """The draft decoder layer fields of a :class:`DecoderDrafterConfig` read from another project's ``config.json``
+    (a Llama / Qwen3 style dict; RoPE from transformers-5 ``rope_parameters`` or the legacy keys). Converters override
+    what their weights say otherwise (e.g. biases)."""
+    from .layers import rope_scaling_from_config
+
+    heads = int(config["num_attention_heads"])
+    theta, rope = rope_scaling_from_config(config)
+    return {
+        "hidden_size": int(config["hidden_size"]),
+        "intermediate_size": None if config.get("intermediate_size") is None else int(config["intermediate_size"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(config.get("num_key_value_heads") or heads),
+        "head_dim": config.get("head_dim"),
+        "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "rope_theta": theta,
+        "rope_scaling_parameters": rope,
+        "max_position_embeddings": int(config.get("max_position_embeddings", 4096)),
+        "hidden_act": config.get("hidden_act", "silu"),
+        "attention_bias": bool(config.get("attention_bias", False)),
+    }
+
+
+def decoder_layer_config_dict(config: DecoderDrafterConfig) -> dict[str, Any]:
+    """The draft decoder layer of ``config`` as a Llama-style ``config.json`` fragment (legacy RoPE keys), for
+    converters that export to other projects' layouts."""
+    return {
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling_parameters,
+        "max_position_embeddings": config.max_position_embeddings,
+        "hidden_act": config.hidden_act,
+        "attention_bias": config.attention_bias,
+    }
 
 
 def fill_heads_defaults(config) -> None:

@@ -15,8 +15,8 @@ hf_specdec's config holds the ``output_hidden_states`` indices.
 
 from __future__ import annotations
 
+from ...configuration_utils import decoder_layer_fields
 from ...convert import Layout, register_layout, write_checkpoint
-from ...layers import rope_scaling_from_config
 from .configuration_dflash import DFlashConfig
 from .modeling_dflash import DFlashForDrafting
 
@@ -60,8 +60,6 @@ def _load(
     depth = target.get("num_hidden_layers") or config.get("num_target_layers")
     if depth is not None and max(layer_ids) >= int(depth):
         raise ValueError(f"target_layer_ids {layer_ids} name layers beyond the target's {depth}.")
-    theta, rope = rope_scaling_from_config(config)
-    heads = int(config["num_attention_heads"])
     layers = int(config["num_hidden_layers"])
     cfg = config_class(
         target_model_name_or_path=target.get("name_or_path"),
@@ -70,17 +68,7 @@ def _load(
         target_num_hidden_layers=None if depth is None else int(depth),
         target_vocab_size=int(target.get("vocab_size") or config["vocab_size"]),
         target_layer_ids=[i + 1 for i in layer_ids],
-        hidden_size=hidden,
-        intermediate_size=int(config["intermediate_size"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=config.get("head_dim"),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling_parameters=rope,
-        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-        hidden_act=config.get("hidden_act", "silu"),
-        attention_bias=bool(config.get("attention_bias", False)),
+        **decoder_layer_fields(config),
         num_hidden_layers=layers,
         block_size=int(block["block_size"]),
         mask_token_id=int(block["mask_token_id"]),

@@ -8,8 +8,8 @@ embedding and LM head are the target's (an ``embed_tokens.weight`` in the file i
 
 from __future__ import annotations
 
+from ...configuration_utils import decoder_layer_config_dict, decoder_layer_fields
 from ...convert import Layout, register_layout, write_checkpoint
-from ...layers import rope_scaling_from_config
 from .configuration_eagle1 import Eagle1Config
 from .modeling_eagle1 import Eagle1ForDrafting
 
@@ -39,24 +39,15 @@ def load_eagle1(config: dict, state: dict, target: dict) -> Eagle1ForDrafting:
         raise ValueError(
             f"This EAGLE-1 drafter reads {hidden}-wide features; the target's are {target['hidden_size']}."
         )
-    theta, rope = rope_scaling_from_config(config)  # transformers-5 rope_parameters or legacy keys
+    layer = decoder_layer_fields(config)
+    layer["intermediate_size"] = layer["intermediate_size"] or state[f"{_LAYER}mlp.gate_proj.weight"].shape[0]
     cfg = Eagle1Config(
         target_model_name_or_path=target.get("name_or_path"),
         target_model_type=target.get("model_type"),
         target_hidden_size=hidden,
         target_num_hidden_layers=target.get("num_hidden_layers"),
         target_vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=int(config.get("intermediate_size") or state[f"{_LAYER}mlp.gate_proj.weight"].shape[0]),
-        num_attention_heads=int(config["num_attention_heads"]),
-        num_key_value_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
-        head_dim=config.get("head_dim"),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling_parameters=rope,
-        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-        hidden_act=config.get("hidden_act", "silu"),
-        attention_bias=bool(config.get("attention_bias", False)),
+        **{**layer, "hidden_size": hidden},
         fc_bias="fc.bias" in state,
     )
     drafter = Eagle1ForDrafting(cfg)
@@ -83,18 +74,8 @@ def save_eagle1(drafter: Eagle1ForDrafting, out_dir: str, target=None) -> None:
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
+        **decoder_layer_config_dict(cfg),
         "num_hidden_layers": 1,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling_parameters,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "hidden_act": cfg.hidden_act,
-        "attention_bias": cfg.attention_bias,
         "vocab_size": cfg.target_vocab_size,
         "bias": cfg.fc_bias,
     }

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import re
 
+from ...configuration_utils import decoder_layer_config_dict, decoder_layer_fields
 from ...convert import Layout, register_layout, write_checkpoint
-from ...layers import rope_scaling_from_config
 from .configuration_mtp import MtpConfig
 from .modeling_mtp import MtpForDrafting
 
@@ -76,25 +76,13 @@ def load_mtp_layers(config: dict, state: dict, target: dict) -> MtpForDrafting:
     hidden = int(config["hidden_size"])
     if target.get("hidden_size") not in (None, hidden):
         raise ValueError(f"These MTP layers are {hidden} wide; the target's states are {target['hidden_size']}.")
-    theta, rope = rope_scaling_from_config(config)  # transformers-5 rope_parameters or legacy keys
-    heads = int(config["num_attention_heads"])
     cfg = MtpConfig(
         target_model_name_or_path=target.get("name_or_path"),
         target_model_type=target.get("model_type") or config.get("model_type"),
         target_hidden_size=hidden,
         target_num_hidden_layers=depth,
         target_vocab_size=int(target.get("vocab_size") or config["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(config["intermediate_size"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=config.get("head_dim"),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling_parameters=rope,
-        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-        hidden_act=config.get("hidden_act", "silu"),
-        attention_bias=any(n.endswith("self_attn.q_proj.bias") for n in own),
+        **{**decoder_layer_fields(config), "attention_bias": any(n.endswith("self_attn.q_proj.bias") for n in own)},
         num_mtp_modules=num,
         hidden_states_first=bool(config.get("mtp_hidden_states_first", False)),
         use_post_norm=any(n.endswith("post_norm.weight") for n in own),
@@ -128,19 +116,10 @@ def save_mtp_layers(drafter: MtpForDrafting, out_dir: str, target=None) -> None:
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": cfg.target_model_type or "llama",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
+        **decoder_layer_config_dict(cfg),
         "num_hidden_layers": depth,
         "num_nextn_predict_layers": cfg.num_mtp_modules,
         "mtp_hidden_states_first": cfg.hidden_states_first,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling_parameters,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "hidden_act": cfg.hidden_act,
         "vocab_size": cfg.target_vocab_size,
     }
     write_checkpoint(out_dir, config, state)
