@@ -24,6 +24,7 @@ __all__ = [
     "apply_rotary",
     "slot_attention",
     "DraftAttention",
+    "DraftDecoderLayer",
     "ACT2FN_SIMPLE",
 ]
 
@@ -512,3 +513,22 @@ class DraftAttention(nn.Module):
             probs = torch.softmax(torch.cat([scores0, scores_d], dim=-1).float(), dim=-1).to(q.dtype)
             out = probs[..., :t] @ v0 + (probs[..., t:, None] * diag_v).sum(-2)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, t, -1))
+
+
+class DraftDecoderLayer(nn.Module):
+    """A pre-norm Llama decoder layer over a :class:`SlotKVCache` (``input_layernorm``, ``self_attn``,
+    ``post_attention_layernorm``, gated ``mlp``), shaped by a config with the draft decoder layer fields."""
+
+    def __init__(self, config):
+        super().__init__()
+        h = config.hidden_size
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.self_attn = DraftAttention(
+            h, h, config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.attention_bias
+        )
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_act)
+
+    def forward(self, x, cos, sin, cache: SlotKVCache, valid, attn_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, valid, attn_mask=attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))

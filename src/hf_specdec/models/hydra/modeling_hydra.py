@@ -9,7 +9,7 @@ from torch import nn
 
 from ...generation.proposals import DraftInputs, Proposal, TokenSelector
 from ...heads import last_verified
-from ...layers import DraftAttention, GatedMLP, RMSNorm, RotaryEmbedding, SlotKVCache
+from ...layers import DraftDecoderLayer, RMSNorm, RotaryEmbedding, SlotKVCache
 from ...modeling_utils import DrafterPreTrainedModel, ReducedVocabularyMixin, depthwise_distillation_loss
 from .configuration_hydra import HydraConfig
 
@@ -39,26 +39,18 @@ class HydraHead(nn.Module):
         return self.lm_head(y)
 
 
-class HydraPrefixLayer(nn.Module):
+class HydraPrefixLayer(DraftDecoderLayer):
     """Hydra++'s prefix attention: a Llama decoder layer over the target's hidden states (with its own KV cache)."""
 
     def __init__(self, config: HydraConfig):
-        super().__init__()
-        h = config.hidden_size
-        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.self_attn = DraftAttention(
-            h, h, config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.attention_bias
-        )
-        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_act)
+        super().__init__(config)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling_parameters, config.max_position_embeddings
         )
 
     def forward(self, hidden, position_ids, valid, cache: SlotKVCache):
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, cache, valid)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return super().forward(hidden, cos, sin, cache, valid)
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ...feature_drafting import FeatureAutoregressiveMixin, FeatureDraftState
-from ...layers import DraftAttention, GatedMLP, RMSNorm, RotaryEmbedding, SlotKVCache
+from ...layers import DraftDecoderLayer, RMSNorm, RotaryEmbedding, SlotKVCache
 from ...modeling_utils import DrafterPreTrainedModel, ReducedVocabularyMixin, depthwise_distillation_loss
 from .configuration_mtp import MtpConfig
 
@@ -20,22 +20,7 @@ __all__ = ["MtpForDrafting", "MtpModule", "MtpBlock", "MtpCaches", "MtpDraftStat
 MtpDraftState = FeatureDraftState
 
 
-class MtpBlock(nn.Module):
-    """One Llama-style decoder layer (pre-norm attention and gated MLP)."""
-
-    def __init__(self, config: MtpConfig):
-        super().__init__()
-        h = config.hidden_size
-        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.self_attn = DraftAttention(
-            h, h, config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.attention_bias
-        )
-        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_act)
-
-    def forward(self, x, cos, sin, cache, valid, attn_mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, valid, attn_mask=attn_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+MtpBlock = DraftDecoderLayer  # one Llama-style decoder layer per module (``mtp_block``)
 
 
 class MtpModule(nn.Module):
