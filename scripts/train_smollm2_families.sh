@@ -8,14 +8,14 @@
 #             vocabulary (EAGLE-3 included, so it meets the others on an equal budget); Medusa-2 trains a LoRA adapter
 #             on the target with its heads, which changes the target's features, so it reads the same answers with
 #             online features (`--data`); resumable (rerun the script: finished families are skipped, a killed one
-#             resumes).
+#             resumes); SpecBlock twice, with and without its layer-wise shift (the ablation).
 # Outputs: runs/smollm2-families/<family>/ (drafter folders with training_record.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/smollm2-families}
 DATA=${DATA:-runs/smollm2-assistant/regenerated.jsonl}
 STEPS=${STEPS:-300}
-FAMILIES=${FAMILIES:-medusa hydra blockwise eagle1 eagle3 medusa2 mtp dflash dspark}
+FAMILIES=${FAMILIES:-medusa hydra blockwise eagle1 eagle3 medusa2 mtp dflash dspark specblock specblock-noshift}
 test -f "$DATA" || python scripts/train_smollm2_assistant.py --out runs/smollm2-assistant  # writes the answers first
 test -f "$RUN/features/index.json" || hf-specdec dump-features --target smollm2 --data "$DATA" --output-dir "$RUN/features" --layer-ids 2 15 27 \
     --max-length 512 --batch-size 8
@@ -31,7 +31,9 @@ for family in $FAMILIES; do
     # DFlash: blocks of 8 (7 drafts per pass) on the dumped layers (its own default would be [2, 15, 28])
     if [ "$family" = dflash ]; then extra=(--layer-ids 2 15 27 --config block_size=8); fi
     if [ "$family" = dspark ]; then extra=(--layer-ids 2 15 27 --config block_size=7); fi  # 7 drafts, as DFlash's 8
-    hf-specdec train --target smollm2 --drafter "$family" "${source[@]}" --output-dir "$out" \
+    drafter=$family  # SpecBlock without the layer-wise shift: the ablation, same budget
+    if [ "$family" = specblock-noshift ]; then drafter=specblock; extra=(--config layer_shift=false); fi
+    hf-specdec train --target smollm2 --drafter "$drafter" "${source[@]}" --output-dir "$out" \
         --draft-vocab-size 4096 --max-steps "$STEPS" --batch-size 8 --lr 1e-3 --save-steps 100 --eval-steps 100 \
         --logging-steps 20 --report-to none "${extra[@]}" "${resume[@]}"
 done

@@ -264,23 +264,24 @@ def _bench_methods(args, target):
                             lookup_tokens=(args.lookup_tokens or [None])[0] if chain else None,
                         )
                     )
-        for key, value in _draft_option_args(args):  # extra chain rows with a drafting option the family declares
-            if key not in type(drafter).draft_options:
+        for options in _draft_option_args(args):  # extra chain rows with drafting options the family declares
+            if not set(options) <= set(type(drafter).draft_options):
                 continue
-            used_options.add(key)
+            used_options.update(options)
+            row_drafter = _row_drafter(drafter, path, options)
             for k in args.num_draft_tokens or [None]:
                 methods.append(
                     drafter_method(
-                        drafter,
+                        row_drafter,
                         num_draft_tokens=k,
-                        draft_options={key: value},
+                        draft_options=dict(options),
                         draft_length=(args.draft_length or [None])[0],
                         lookup_tokens=(args.lookup_tokens or [None])[0],
                     )
                 )
         if adapted is not None:
             methods[first:] = adapted_target_methods(drafter, adapted, methods[first:])
-    unused = sorted({key for key, _ in _draft_option_args(args)} - used_options)
+    unused = sorted({key for options in _draft_option_args(args) for key in options} - used_options)
     if unused:
         raise SystemExit(f"hf-specdec bench: no drafter here declares the drafting option(s) {unused}.")
     if not args.no_peers:
@@ -360,14 +361,28 @@ def _calibrate(args) -> int:
     return 0
 
 
-def _draft_option_args(args) -> list[tuple[str, object]]:
-    """``--draft-option KEY=VALUE`` pairs (VALUE read as JSON, else a string)."""
+def _row_drafter(drafter, path: str, options: dict):
+    """The drafter a bench row with drafting ``options`` runs: its own fresh copy (from ``path``) when the options make
+    the drafter train itself while decoding, so that the other rows keep the drafter as saved; else ``drafter``."""
+    if any(options.get(key) for key in type(drafter).weight_changing_draft_options):
+        from .auto import AutoModelForDrafting
+
+        return AutoModelForDrafting.from_pretrained(path).eval()
+    return drafter
+
+
+def _draft_option_args(args) -> list[dict[str, object]]:
+    """``--draft-option KEY=VALUE[;KEY=VALUE...]``: one dict of options per argument (VALUE read as JSON, else a
+    string); each becomes one row."""
     out = []
     for item in getattr(args, "draft_option", None) or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--draft-option expects KEY=VALUE, got {item!r}")
-        out.append((key, _json_or_text(value)))
+        options = {}
+        for part in item.split(";"):
+            key, sep, value = part.strip().partition("=")
+            if not sep or not key:
+                raise SystemExit(f"--draft-option expects KEY=VALUE (several joined by ';'), got {item!r}")
+            options[key] = _json_or_text(value)
+        out.append(options)
     return out
 
 
@@ -422,14 +437,29 @@ def _add_verifier_flags(p) -> None:
 
 
 def _tree_options(args, tree: str) -> dict | None:
-    """``--tree`` value plus the EAGLE-2 sizes as ``generate`` draft options (``chain``: none)."""
+    """``--tree`` value as ``generate`` draft options (``chain``: none): ``eagle2`` and a family's own tree policy
+    (e.g. ``rank``) take ``--tree-depth`` / ``--tree-top-k`` / ``--tree-total-tokens``; ``NAME:KEY=VALUE,...`` sets
+    them for that tree only (e.g. ``rank:tree_depth=2,tree_top_k=4,tree_total_tokens=16``)."""
     if tree in (None, "chain"):
         return None
-    options = {"tree": tree}
-    if tree in ("eagle2", "dynamic"):
+    from .tree.policies import TREE_POLICIES
+
+    name, _, spec = tree.partition(":")
+    options = {"tree": name}
+    if name in ("eagle2", "dynamic") or name in TREE_POLICIES:
         for key in ("tree_depth", "tree_top_k", "tree_total_tokens"):
             if getattr(args, key, None) is not None:
                 options[key] = getattr(args, key)
+    for part in filter(None, spec.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep or key not in ("tree_depth", "tree_top_k", "tree_total_tokens"):
+            raise SystemExit(
+                f"--tree {tree!r}: after ':' give tree_depth=N, tree_top_k=N or tree_total_tokens=N, joined by ','."
+            )
+        try:
+            options[key] = int(value)
+        except ValueError:
+            raise SystemExit(f"--tree {tree!r}: {key} must be an integer, got {value!r}.") from None
     return options
 
 
@@ -769,7 +799,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree",
         nargs="+",
         default=None,
-        help="proposal shapes to measure: chain (default), eagle2 (EAGLE-2 dynamic tree) or a static tree name",
+        help="proposal shapes to measure: chain (default), eagle2 (EAGLE-2 dynamic tree), a family's own tree (e.g. "
+        "rank) or a static tree name; NAME:tree_depth=N,tree_top_k=N,tree_total_tokens=N sizes one tree",
     )
     p.add_argument("--tree-depth", type=int, default=None, help="EAGLE-2 tree depth")
     p.add_argument("--tree-top-k", type=int, default=None, help="EAGLE-2 children per node and nodes per depth")
@@ -778,8 +809,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-option",
         action="append",
         metavar="KEY=VALUE",
-        help="also measure chain rows with this drafting option, for drafters that declare it "
-        "(e.g. confidence_schedule=true); VALUE read as JSON",
+        help="also measure chain rows with these drafting options, for drafters that declare them "
+        "(e.g. confidence_schedule=true, or online_adaptation=true;adaptation_lr=1e-3 for one row with both); "
+        "VALUE read as JSON",
     )
     p.add_argument("--assistant", default=None, help="small assistant model for transformers' assisted generation")
     p.add_argument("--assistant-tokens", type=int, default=None, help="num_assistant_tokens for --assistant")

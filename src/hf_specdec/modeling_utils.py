@@ -204,8 +204,11 @@ class DrafterPreTrainedModel(PreTrainedModel):
     # - observe_in_batches: `observe` accepts the verified slots of several passes in one call, so during a run of
     #   plain steps (adaptive draft length K = 0) the loop saves the drafter's forward and hands them over when the
     #   drafter drafts again. A family that must see every pass as it happens (online adaptation) sets False.
+    # - weight_changing_draft_options: draft options under which the drafter changes its own weights while it
+    #   decodes (serving-time adaptation); a benchmark gives rows with them their own copy of the drafter.
     requires_target_logits: ClassVar[bool] = False
     observe_in_batches: ClassVar[bool] = True
+    weight_changing_draft_options: ClassVar[tuple[str, ...]] = ()
     supports_tree_drafting: ClassVar[bool] = False
     draft_options: ClassVar[dict[str, Any]] = {}
     # Training capabilities (read by the trainer): the keyword arguments `compute_loss` accepts besides its three
@@ -768,6 +771,26 @@ class ReducedVocabularyMixin:
                 lin.weight.copy_(rows.to(lin.weight))
                 done = True
         return done
+
+    @torch.no_grad()
+    def init_output_from_target(self, target: nn.Module, lm_head: nn.Linear, norm: nn.Module | None) -> None:
+        """Starts a drafter's own output side in the target's output space: ``lm_head`` gets the target's LM-head rows
+        of the draft vocabulary (:meth:`init_from_data` chose it first) and ``norm`` (if given) the target's final
+        norm. The norm's effective scale is read by applying the target's norm to a vector of ones, so norms that
+        scale by ``1 + w`` (Gemma) map too. Each part is skipped where the shapes differ (a drafter narrower than its
+        target). On small data this matters: every draft-vocabulary token starts with a meaningful output row instead
+        of a random one."""
+        self.copy_target_head_rows(target, [lm_head])
+        decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
+        target_norm = getattr(decoder, "norm", None)
+        if norm is None or not isinstance(target_norm, nn.Module):
+            return
+        param = next(target_norm.parameters(), None)
+        if param is not None and param.numel() == norm.weight.numel():
+            ones = torch.ones(1, norm.weight.numel(), device=param.device, dtype=torch.float32)
+            scale = target_norm(ones.to(param.dtype)).float()[0]
+            # RMS(ones) = 1, so the output is the norm's effective scale (up to its eps, irrelevant here).
+            norm.weight.copy_(scale.to(norm.weight))
 
     def loss_targets(self, batch: dict, features, target_head, loss_kwargs: dict, labels: str = "soft"):
         """What a depthwise loss needs, checked: ``(loss_mask, soft_labels, in_vocab, hard_targets)``.

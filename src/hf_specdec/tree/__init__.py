@@ -9,6 +9,7 @@ from .policies import (
     TreePolicy,
     make_tree_policy,
     register_static_tree,
+    register_tree_policy,
     static_tree_from_accuracies,
 )
 from .structure import (
@@ -29,6 +30,7 @@ __all__ = [
     "TreeExpansion",
     "TreePolicy",
     "make_tree_policy",
+    "register_tree_policy",
     "register_static_tree",
     "static_tree_from_accuracies",
     "ancestor_matrix",

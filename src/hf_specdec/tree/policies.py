@@ -43,6 +43,7 @@ __all__ = [
     "TREE_OPTIONS",
     "make_tree_policy",
     "static_tree_from_accuracies",
+    "register_tree_policy",
 ]
 
 
@@ -360,6 +361,20 @@ def register_static_tree(name: str, paths) -> None:
     STATIC_TREES[name] = tree.paths
 
 
+# Tree policies a drafter family brings (its own tree builder): name -> factory(depth=, top_k=, total_tokens=).
+TREE_POLICIES: dict[str, Any] = {}
+
+
+def register_tree_policy(name: str, factory) -> None:
+    """Makes ``generate(tree=name)`` build ``factory(**options)`` with the given ``tree_depth`` / ``tree_top_k`` /
+    ``tree_total_tokens`` (as ``depth`` / ``top_k`` / ``total_tokens``); a family registers its own tree builder."""
+    if name in ("eagle2", "dynamic", "static") or name in STATIC_TREES:
+        raise ValueError(f"Tree name {name!r} is taken by a built-in tree.")
+    if name in TREE_POLICIES and TREE_POLICIES[name] is not factory:
+        raise ValueError(f"A different tree policy named {name!r} is already registered.")
+    TREE_POLICIES[name] = factory
+
+
 # ``generate`` options of tree drafting (routed by the generate hook, checked here).
 TREE_OPTIONS = ("tree", "tree_depth", "tree_top_k", "tree_total_tokens", "tree_choices")
 
@@ -385,6 +400,10 @@ def make_tree_policy(
             raise ValueError("tree_choices is for static trees; the EAGLE-2 tree takes tree_depth/top_k/total_tokens.")
         kwargs = {k[len("tree_") :]: v for k, v in dynamic_opts.items() if v is not None}
         return DynamicTree(**kwargs)
+    if tree in TREE_POLICIES:
+        if tree_choices is not None:
+            raise ValueError(f"tree_choices is for static trees; tree={tree!r} takes tree_depth/top_k/total_tokens.")
+        return TREE_POLICIES[tree](**{k[len("tree_") :]: v for k, v in dynamic_opts.items() if v is not None})
     given = [k for k, v in dynamic_opts.items() if v is not None]
     if given:
         raise ValueError(f"{given} apply to tree='eagle2' only, not to the static tree {tree!r}.")
@@ -397,5 +416,6 @@ def make_tree_policy(
     if tree in STATIC_TREES:
         return StaticTree(STATIC_TREES[tree])
     raise ValueError(
-        f"Unknown tree {tree!r}: use 'eagle2', 'static' (with tree_choices), or one of {sorted(STATIC_TREES)}."
+        f"Unknown tree {tree!r}: use 'eagle2', 'static' (with tree_choices), or one of "
+        f"{sorted([*STATIC_TREES, *TREE_POLICIES])}."
     )

@@ -177,22 +177,9 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, ReducedVocabularyMixin, Draf
     @torch.no_grad()
     def init_from_target(self, target: nn.Module) -> None:
         """Starts the output side in the target's own output space: ``lm_head`` holds the target's LM-head rows of
-        the draft vocabulary (set by :meth:`init_from_data`, which runs first) and ``norm`` the target's final norm.
-
-        The norm's effective scale is read by applying the target's norm to a vector of ones, so norms that scale by
-        ``1 + w`` (Gemma) map too. Each part is skipped where the shapes differ (a drafter narrower than its
-        target). On small data this matters: every draft-vocabulary token starts with a meaningful output row
-        instead of a random one."""
-        self.copy_target_head_rows(target, [self.lm_head])
-        decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
-        norm = getattr(decoder, "norm", None)
-        if isinstance(norm, nn.Module) and self.config.norm_output:
-            param = next(norm.parameters(), None)
-            if param is not None and param.numel() == self.norm.weight.numel():
-                ones = torch.ones(1, self.norm.weight.numel(), device=param.device, dtype=torch.float32)
-                scale = norm(ones.to(param.dtype)).float()[0]
-                # RMS(ones) = 1, so the output is the norm's effective scale (up to its eps, irrelevant here).
-                self.norm.weight.copy_(scale.to(self.norm.weight))
+        the draft vocabulary (set by :meth:`init_from_data`, which runs first) and ``norm`` the target's final norm
+        (see :meth:`~hf_specdec.modeling_utils.ReducedVocabularyMixin.init_output_from_target`)."""
+        self.init_output_from_target(target, self.lm_head, self.norm if self.config.norm_output else None)
 
     def _ttt_attention(self, x, position_ids, key_valid, prev_kv):
         """Attention of one TTT step (see :meth:`~hf_specdec.layers.DraftAttention.ttt`)."""
