@@ -8,7 +8,8 @@
 #      paper's learning rate (1e-5) and at 1e-3; each adapting row runs its own copy of the drafter, which keeps
 #      adapting from prompt to prompt (as a server would).
 # fp32, 2 threads; run it alone on the machine.
-# Outputs: model_cards/results/smollm2-specblock.{json,md,png}, smollm2-specblock-adaptation.{json,md,png}.
+# Outputs: model_cards/results/smollm2-specblock.{json,md,png}, smollm2-specblock-adaptation.{json,md,png},
+# smollm2-specblock-fixed.{json,md,png}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/smollm2-families}
@@ -20,3 +21,7 @@ hf-specdec bench --target smollm2 --prompts humaneval --max-prompts 12 --max-new
     --drafter "$RUN/specblock" --draft-length fixed --lookup-tokens 0 \
     --draft-option "online_adaptation=true;adaptation_lr=1e-5" --draft-option "online_adaptation=true;adaptation_lr=1e-3" \
     --batch-size 1 --out "$OUT" --stem smollm2-specblock-adaptation
+# 3. the shift ablation with the drafters alone: both at a fixed 4 drafts per pass, no prompt lookup, same prompts as 1
+hf-specdec bench --target smollm2 --prompts spec-bench --max-prompts 3 --max-new-tokens 128 --threads 2 --no-peers \
+    --drafter "$RUN/specblock" "$RUN/specblock-noshift" --draft-length fixed --lookup-tokens 0 \
+    --batch-size 1 --out "$OUT" --stem smollm2-specblock-fixed
