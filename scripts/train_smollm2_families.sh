@@ -8,7 +8,8 @@
 #             vocabulary (EAGLE-3 included, so it meets the others on an equal budget); Medusa-2 trains a LoRA adapter
 #             on the target with its heads, which changes the target's features, so it reads the same answers with
 #             online features (`--data`); resumable (rerun the script: finished families are skipped, a killed one
-#             resumes); SpecBlock twice, with and without its layer-wise shift (the ablation).
+#             resumes); SpecBlock three times: with and without its layer-wise shift (the ablation), and with the
+#             reference's all-slot draft cache (context_slots=all, `specblock-allslots`; not in the default list).
 # Outputs: runs/smollm2-families/<family>/ (drafter folders with training_record.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,7 @@ for family in $FAMILIES; do
     if [ "$family" = dspark ]; then extra=(--layer-ids 2 15 27 --config block_size=7); fi  # 7 drafts, as DFlash's 8
     drafter=$family  # SpecBlock without the layer-wise shift: the ablation, same budget
     if [ "$family" = specblock-noshift ]; then drafter=specblock; extra=(--config layer_shift=false); fi
+    if [ "$family" = specblock-allslots ]; then drafter=specblock; extra=(--config context_slots=all); fi
     hf-specdec train --target smollm2 --drafter "$drafter" "${source[@]}" --output-dir "$out" \
         --draft-vocab-size 4096 --max-steps "$STEPS" --batch-size 8 --lr 1e-3 --save-steps 100 --eval-steps 100 \
         --logging-steps 20 --report-to none "${extra[@]}" "${resume[@]}"

@@ -206,16 +206,13 @@ def test_profile_and_calibrate_commands(tmp_path):
     )
 
 
-def test_deepspec_layout_matches_an_independent_forward_and_round_trips(tmp_path):
-    """A DeepSpec-style DSpark checkpoint (DFlash backbone + markov_head + confidence_head, flat config, its own copies
-    of the target's embeddings and LM head): the draft logits equal transformers' MuseGlimmer backbone forward (every
-    slot, the anchor's included) through the target's head plus W2 W1[previous token]."""
+def _deepspec_checkpoint(tmp_path):
+    """A DeepSpec-style DSpark checkpoint folder built around transformers' MuseGlimmer backbone: (target, backbone
+    model, state, config, folder)."""
     import json
 
     from safetensors.torch import save_file
     from test_dflash import _muse_glimmer
-
-    from hf_specdec.convert import detect_layout, export_drafter, import_drafter
 
     target = make_target("llama")
     model, folder = _muse_glimmer(target, tmp_path, sliding_window=256)
@@ -239,6 +236,17 @@ def test_deepspec_layout_matches_an_independent_forward_and_round_trips(tmp_path
     src.mkdir()
     save_file({k: v.contiguous() for k, v in state.items()}, str(src / "model.safetensors"))
     (src / "config.json").write_text(json.dumps(cfg))
+    return target, model, state, cfg, src
+
+
+def test_deepspec_layout_matches_an_independent_forward_and_round_trips(tmp_path):
+    """A DeepSpec-style DSpark checkpoint (DFlash backbone + markov_head + confidence_head, flat config, its own copies
+    of the target's embeddings and LM head): the draft logits equal transformers' MuseGlimmer backbone forward (every
+    slot, the anchor's included) through the target's head plus W2 W1[previous token]."""
+    from hf_specdec.convert import detect_layout, export_drafter, import_drafter
+
+    target, model, state, cfg, src = _deepspec_checkpoint(tmp_path)
+    g = torch.Generator().manual_seed(4)
     assert detect_layout(str(src)) == "dspark-deepspec"
     drafter = import_drafter(str(src), target_config=target.config).eval().bind_target(target)
     assert isinstance(drafter, DSparkForDrafting) and drafter.drafts_per_block == 5
@@ -262,3 +270,89 @@ def test_deepspec_layout_matches_an_independent_forward_and_round_trips(tmp_path
     again = import_drafter(out, target_config=target.config)
     for name, tensor in drafter.state_dict().items():
         torch.testing.assert_close(again.state_dict()[name], tensor)
+
+
+def _specforge_checkpoint(tmp_path, cfg: dict, state: dict, name: str = "specforge", **nested) -> str:
+    """The DeepSpec checkpoint rewritten as SpecForge writes DSpark: the DSpark fields in ``dflash_config`` (none at
+    the top level), no embeddings or LM head."""
+    import json
+
+    from safetensors.torch import save_file
+
+    keys = ("mask_token_id", "target_layer_ids", "markov_rank", "markov_head_type", "enable_confidence_head",
+            "confidence_head_with_markov")  # fmt: skip
+    config = {k: v for k, v in cfg.items() if k not in keys}
+    config["dflash_config"] = {**{k: cfg[k] for k in keys}, "projector_type": "dspark", "attention_mode": "gqa",
+                               "confidence_head_alpha": 1.0, **nested}  # fmt: skip
+    folder = tmp_path / name
+    folder.mkdir()
+    weights = {k: v.contiguous() for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}
+    save_file(weights, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_specforge_layout_reads_the_same_drafter_and_round_trips(tmp_path):
+    """SpecForge's DSpark config nests the DSpark fields in ``dflash_config`` and ships no target weights: the same
+    tensors give the same drafter as the DeepSpec layout, early checkpoints with the heads under ``logit_head.`` too,
+    and an export reads back identical with the fields where SpecForge's config class and its training configs look."""
+    import json
+
+    from hf_specdec.convert import detect_layout, export_drafter, import_drafter
+
+    target, _, state, cfg, src = _deepspec_checkpoint(tmp_path)
+    reference = import_drafter(str(src), target_config=target.config).state_dict()
+    folder = _specforge_checkpoint(tmp_path, cfg, state)
+    assert detect_layout(folder) == "dspark-specforge"
+    drafter = import_drafter(folder, target_config=target.config)
+    assert drafter.state_dict().keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(drafter.state_dict()[name], tensor)
+    old = {
+        ("logit_head." + k if k.startswith(("markov_head.", "confidence_head.")) else k): v for k, v in state.items()
+    }
+    early = _specforge_checkpoint(tmp_path, cfg, old, name="early")
+    assert detect_layout(early) == "dspark-specforge"
+    torch.testing.assert_close(
+        import_drafter(early, target_config=target.config).state_dict()["markov_head.markov_w1.weight"],
+        reference["markov_head.markov_w1.weight"],
+    )
+    out = export_drafter(drafter, str(tmp_path / "out"), "dspark-specforge")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["dflash_config"]["markov_rank"] == written["markov_rank"] == cfg["markov_rank"]
+    assert written["dflash_config"]["target_layer_ids"] == cfg["target_layer_ids"]
+    assert detect_layout(out) == "dspark-specforge"
+    again = import_drafter(out, target_config=target.config)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(again.state_dict()[name], tensor)
+
+
+@pytest.mark.parametrize(
+    "nested, top, message",
+    [
+        ({"attention_mode": "kda"}, {}, "kda"),
+        ({"attention_modes": ["gqa", "mla"]}, {}, "mla"),
+        ({"enable_confidence_head": False}, {}, "confidence head"),
+        ({"confidence_head_with_markov": False}, {}, "confidence head"),
+        ({"markov_head_type": "gated"}, {}, "vanilla"),
+        ({"projector_type": "mlp"}, {}, "projector_type"),
+        ({"shift_label": True}, {}, "shift_label"),
+        ({}, {"is_causal": True}, "causal"),
+        ({}, {"draft_vocab_size": 32}, "full-vocabulary"),
+    ],
+)
+def test_specforge_variants_hf_specdec_cannot_run_are_refused(tmp_path, nested, top, message):
+    """SpecForge's DSpark configs include variants this DSpark is not (linear / latent attention layers, no confidence
+    head, causal blocks, a reduced draft vocabulary): each is refused by name, never loaded as something else."""
+    import json
+
+    from hf_specdec.convert import import_drafter
+
+    target, _, state, cfg, _ = _deepspec_checkpoint(tmp_path)
+    folder = _specforge_checkpoint(tmp_path, cfg, state, **nested)
+    config = json.loads(open(f"{folder}/config.json").read())
+    config.update(top)
+    with open(f"{folder}/config.json", "w") as fh:
+        json.dump(config, fh)
+    with pytest.raises(ValueError, match=message):
+        import_drafter(folder, target_config=target.config)

@@ -12,10 +12,6 @@ from hf_specdec.models.specblock.modeling_specblock import rank_bucket, rank_fea
 
 
 class TestSpecBlock(DrafterTesterMixin):
-    # The reference implementation (shiweijiezero/SpecBlock) keeps all K slots of every verified position in its draft
-    # cache; this family keeps one context entry per position (see the modeling docstring), so the reference's
-    # checkpoints would not run as they were trained: no import / export layout until that cache mode exists.
-    no_foreign_layout_reason = "reference checkpoints use an all-slot draft cache this family does not implement"
     config_class = SpecBlockConfig
     model_class = SpecBlockForDrafting
     config_overrides = {"intermediate_size": 64}
@@ -51,6 +47,18 @@ class TestSpecBlock(DrafterTesterMixin):
         with pytest.raises(ValueError, match="tree_depth <= 3"):
             self._greedy_pair(target, drafter, batch, tree="fork-10")
 
+    def test_layout_round_trip(self, tmp_path):
+        """The reference layout holds drafters with the all-slot cache (round-tripped by TestSpecBlockAllSlots); one
+        with the default cache is refused by name, never written as something the reference would run otherwise."""
+        if self.config_overrides.get("context_slots") == "all":
+            return super().test_layout_round_trip(tmp_path)
+        from hf_specdec.convert import export_drafter
+
+        target = make_target("llama", seed=7)
+        drafter = self.make_drafter(target, seed=3).bind_target(target)
+        with pytest.raises(ValueError, match="context_slots='first'"):
+            export_drafter(drafter, str(tmp_path / "out"), "specblock-reference", target=target)
+
     def test_tree_sampling_distribution(self):
         """Lossless sampling along rank trees (and the control must fail)."""
         from sampling_check import check_sampling_matches_target
@@ -64,6 +72,13 @@ class TestSpecBlockCrossBlock(TestSpecBlock):
     """Blocks of 2: a chain of 3 or more drafts continues with a second block from the first one's last slot."""
 
     config_overrides = {"intermediate_size": 64, "block_size": 2}
+
+
+class TestSpecBlockAllSlots(TestSpecBlock):
+    """The reference's draft cache (all K slots of every verified position; further blocks at the first block's RoPE
+    positions), with blocks of 2 so chains cross blocks and three layers so two shifts act; round-trips the layout."""
+
+    config_overrides = {"intermediate_size": 64, "context_slots": "all", "block_size": 2, "num_hidden_layers": 3}
 
 
 class TestSpecBlockNoShift(TestSpecBlock):
@@ -121,11 +136,12 @@ def test_identity_shift_is_the_model_without_shift():
     assert not torch.allclose(first_block(shifted), first_block(plain), atol=1e-3)
 
 
-def test_cross_block_training_matches_inference_continuations():
+@pytest.mark.parametrize("context_slots", ["first", "all"])
+def test_cross_block_training_matches_inference_continuations(context_slots):
     """A block continuing from slot M - 1 (1 <= M <= K) with the true token there, as training unrolls it, equals the
-    block the rank tree drafts from the same slot at inference."""
+    block the rank tree drafts from the same slot at inference (with either draft cache)."""
     target = make_target("llama", seed=1)
-    drafter = TestSpecBlock().make_drafter(target, seed=2).bind_target(target)
+    drafter = TestSpecBlock().make_drafter(target, seed=2, context_slots=context_slots).bind_target(target)
     ids, mask = ragged_batch(2, length=16, seed=5)
     with torch.no_grad():
         out = target(input_ids=ids, attention_mask=mask, output_hidden_states=True,
@@ -311,3 +327,173 @@ def test_init_from_target_starts_in_the_targets_output_space():
     head = target.get_output_embeddings().weight
     assert torch.equal(drafter.lm_head.weight, head[drafter.draft_token_ids])
     torch.testing.assert_close(drafter.norm.weight, target.model.norm.weight)
+
+
+# -- the reference layout ---------------------------------------------------------------------------------------------
+def _rms(x, w, eps):
+    x32 = x.float()
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x, pos, theta):
+    d = x.shape[-1]
+    freqs = pos[:, None].float() / theta ** (torch.arange(0, d, 2).float() / d)
+    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+    return x * cos + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1) * sin
+
+
+def _reference_pass(sd, cfg, x, pos, allowed, prefix):
+    """The reference's decoder stack written out from its description: ``x`` ``(B, N, K, H)`` slots at RoPE ``pos``
+    ``(N * K,)``; keys are ``prefix`` (per layer ``(k, v)`` ``(B, kv, C, d)``) then the slots themselves, visible
+    where ``allowed`` ``(N * K, C + N * K)``; between layers slot k reads W_s [h_k; h_{k-1}] (slot 0 itself).
+    Returns the pre-norm states and each layer's ``(k, v)`` of the slots."""
+    b, n, k, h = x.shape
+    heads, kvh, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["rms_norm_eps"]
+    d = h // heads
+    kvs = []
+    for i in range(cfg["num_hidden_layers"]):
+        if i > 0:
+            prev = torch.cat([x[:, :, :1], x[:, :, :-1]], dim=2)
+            x = torch.cat([x, prev], -1) @ sd[f"shift_proj.{i - 1}.weight"].T
+        flat = x.reshape(b, n * k, h)
+        y = _rms(flat, sd[f"layers.{i}.input_layernorm.weight"], eps)
+        q = (y @ sd[f"layers.{i}.self_attn.q_proj.weight"].T).view(b, n * k, heads, d).transpose(1, 2)
+        kk = (y @ sd[f"layers.{i}.self_attn.k_proj.weight"].T).view(b, n * k, kvh, d).transpose(1, 2)
+        vv = (y @ sd[f"layers.{i}.self_attn.v_proj.weight"].T).view(b, n * k, kvh, d).transpose(1, 2)
+        q, kk = _rope(q, pos, cfg["rope_theta"]), _rope(kk, pos, cfg["rope_theta"])
+        kvs.append((kk, vv))
+        keys = torch.cat([prefix[i][0], kk], 2) if prefix else kk
+        vals = torch.cat([prefix[i][1], vv], 2) if prefix else vv
+        keys, vals = keys.repeat_interleave(heads // kvh, 1), vals.repeat_interleave(heads // kvh, 1)
+        scores = (q @ keys.transpose(-1, -2)) / d**0.5
+        att = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ vals
+        flat = flat + att.transpose(1, 2).reshape(b, n * k, h) @ sd[f"layers.{i}.self_attn.o_proj.weight"].T
+        y = _rms(flat, sd[f"layers.{i}.post_attention_layernorm.weight"], eps)
+        gate = torch.nn.functional.silu(y @ sd[f"layers.{i}.mlp.gate_proj.weight"].T)
+        flat = flat + (gate * (y @ sd[f"layers.{i}.mlp.up_proj.weight"].T)) @ sd[f"layers.{i}.mlp.down_proj.weight"].T
+        x = flat.view(b, n, k, h)
+    return x, kvs
+
+
+def _reference_heads(sd, cfg, hidden):
+    """Draft logits and rank logits (``[sg(norm(h)); top-20 summary] -> 256 -> SiLU -> 4``) of pre-norm states."""
+    normed = _rms(hidden, sd["norm.weight"], cfg["rms_norm_eps"])
+    logits = normed @ sd["lm_head.weight"].T
+    top = logits.topk(20, -1).values
+    lse = torch.logsumexp(top, -1, keepdim=True)
+    lp = top - lse
+    gaps = torch.stack([top[..., 0] - top[..., i] for i in (1, 2, 4)], -1)
+    feats = torch.cat([lp[..., :10], gaps, lp[..., :1].exp(), -(lp.exp() * lp).sum(-1, keepdim=True)], -1)
+    mid = torch.nn.functional.silu(torch.cat([normed, feats], -1) @ sd["rank_head.0.weight"].T)
+    return logits, mid @ sd["rank_head.2.weight"].T
+
+
+def _reference_inputs(sd, cfg, cond, token_emb):
+    """``fuse([RMSNorm(cond); RMSNorm(e); RMSNorm(q_k)])`` for every slot: ``(B, N, K, H)``."""
+    eps, k = cfg["rms_norm_eps"], cfg["diffspec_draft_token_num"]
+    c = _rms(cond, sd["input_layer.condition_norm.weight"], eps)[:, :, None].expand(-1, -1, k, -1)
+    e = _rms(token_emb, sd["input_layer.token_norm.weight"], eps)[:, :, None].expand(-1, -1, k, -1)
+    q = _rms(sd["input_layer.position_queries.weight"], sd["input_layer.query_norm.weight"], eps)
+    return torch.cat([c, e, q.expand_as(c)], -1) @ sd["input_layer.fuse.weight"].T
+
+
+def _reference_checkpoint(tmp_path, target, k=3, layers=2, seed=0):
+    """A checkpoint in the reference layout with random weights (GQA, the shift, a rank head)."""
+    from hf_specdec.convert import write_checkpoint
+
+    g = torch.Generator().manual_seed(seed)
+    h, v = target.config.hidden_size, target.config.vocab_size
+    heads = target.config.num_attention_heads
+    kvh, d, inter = max(heads // 2, 1), h // heads, 48
+    cfg = {"architectures": ["LlamaForCausalLMSpecBlock"], "model_type": "llama", "hidden_size": h,
+           "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kvh,
+           "num_hidden_layers": layers, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "rope_scaling": None, "max_position_embeddings": 256, "vocab_size": v, "draft_vocab_size": v,
+           "target_hidden_size": h, "diffspec_draft_token_num": k, "rank_classes": 4, "num_ttt_blocks": 3}  # fmt: skip
+
+    def w(*shape, scale=0.1):
+        return torch.randn(*shape, generator=g) * scale
+
+    sd = {"input_layer.condition_proj.weight": w(h, 3 * h), "input_layer.fuse.weight": w(h, 3 * h),
+          "input_layer.position_queries.weight": w(k, h, scale=1.0), "norm.weight": 1 + w(h),
+          "lm_head.weight": w(v, h), "rank_head.0.weight": w(256, h + 15), "rank_head.2.weight": w(4, 256),
+          "input_layer.embed_tokens.weight": target.get_input_embeddings().weight.detach().clone(),
+          "d2t": torch.zeros(v, dtype=torch.long), "t2d": torch.ones(v, dtype=torch.bool)}  # fmt: skip
+    for name in ("condition_norm", "token_norm", "query_norm"):
+        sd[f"input_layer.{name}.weight"] = 1 + w(h)
+    for i in range(layers):
+        sd.update({f"layers.{i}.self_attn.q_proj.weight": w(heads * d, h), f"layers.{i}.self_attn.k_proj.weight":
+                   w(kvh * d, h), f"layers.{i}.self_attn.v_proj.weight": w(kvh * d, h),
+                   f"layers.{i}.self_attn.o_proj.weight": w(h, heads * d), f"layers.{i}.mlp.gate_proj.weight":
+                   w(inter, h), f"layers.{i}.mlp.up_proj.weight": w(inter, h), f"layers.{i}.mlp.down_proj.weight":
+                   w(h, inter), f"layers.{i}.input_layernorm.weight": 1 + w(h),
+                   f"layers.{i}.post_attention_layernorm.weight": 1 + w(h)})  # fmt: skip
+        if i:
+            sd[f"shift_proj.{i - 1}.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], 1) + w(h, 2 * h)
+    folder = tmp_path / "reference"
+    write_checkpoint(str(folder), cfg, sd)
+    return folder, cfg, sd
+
+
+def test_reference_layout_drafts_what_the_reference_computes(tmp_path):
+    """A reference checkpoint imported with the all-slot cache: block 1 at every position (slot k at t sees all slots
+    of positions < t and its block's slots <= k) and a block continuing from slot M - 1 (the anchor's earlier
+    positions whole, the anchor's block up to M - 1, the first block's RoPE positions) give the logits and rank logits
+    of the reference's forward, written out independently here."""
+    from hf_specdec.convert import detect_layout, import_drafter
+
+    target = make_target("llama", seed=1)
+    folder, cfg, sd = _reference_checkpoint(tmp_path, target)
+    assert detect_layout(str(folder)) == "specblock-reference"
+    drafter = import_drafter(str(folder), target_config=target.config).bind_target(target)
+    assert drafter.config.context_slots == "all" and drafter.block_size == 3 and drafter.config.layer_shift
+    n_layers, k = target.config.num_hidden_layers, 3
+    ids = torch.randint(5, target.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
+    t = ids.shape[1]
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[i] for i in (2, n_layers // 2, n_layers - 3)], -1)  # the reference's layers
+        nxt = torch.cat([ids[:, 1:], ids[:, -1:]], 1)
+        x = _reference_inputs(sd, cfg, feats @ sd["input_layer.condition_proj.weight"].T,
+                              sd["input_layer.embed_tokens.weight"][nxt])  # fmt: skip
+        pos = (torch.arange(t)[:, None] + 1 + torch.arange(k)).reshape(-1)
+        src, slot = torch.arange(t).repeat_interleave(k), torch.arange(k).repeat(t)
+        allowed = (src[None] < src[:, None]) | ((src[None] == src[:, None]) & (slot[None] <= slot[:, None]))
+        ref_hidden, ref_kv = _reference_pass(sd, cfg, x, pos, allowed, None)
+        ref_logits, ref_rank = _reference_heads(sd, cfg, ref_hidden)
+        ours = drafter.select_target_features(hs)
+        anchor, m = 7, 2
+        first, (second,) = drafter.training_blocks(ids, ours, None, None, [torch.full((1, t), m)])
+        torch.testing.assert_close(first.logits.float(), ref_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(drafter.rank_logits(first.hidden, first.logits).float(), ref_rank,
+                                   rtol=1e-4, atol=1e-4)  # fmt: skip
+        # block 2 at the anchor, from slot M - 1 with the true token there
+        cond = ref_hidden[:, anchor, m - 1][:, None]
+        token = sd["input_layer.embed_tokens.weight"][ids[:, anchor + 1 + m]][:, None]
+        x2 = _reference_inputs(sd, cfg, cond, token)
+        before = src < anchor
+        here = (src == anchor) & (slot < m)
+        prefix = [(kk[:, :, before | here], vv[:, :, before | here]) for kk, vv in ref_kv]
+        own = torch.ones(k, k, dtype=torch.bool).tril()
+        allowed2 = torch.cat([torch.ones(k, int((before | here).sum()), dtype=torch.bool), own], 1)
+        hidden2, _ = _reference_pass(sd, cfg, x2, pos[anchor * k : anchor * k + k], allowed2, prefix)
+        logits2, _ = _reference_heads(sd, cfg, hidden2)
+        torch.testing.assert_close(second.logits[:, anchor].float(), logits2[:, 0], rtol=1e-4, atol=1e-4)
+
+
+def test_reference_layout_refuses_what_it_cannot_run(tmp_path):
+    """Another rank-head size, head_dim, vocabulary or an unknown tensor: refused by name."""
+    import json
+
+    from hf_specdec.convert import import_drafter, write_checkpoint
+
+    target = make_target("llama", seed=1)
+    folder, cfg, sd = _reference_checkpoint(tmp_path, target)
+    for change, word in (({"rank_classes": 5}, "classes"), ({"head_dim": 4}, "head_dim"),
+                         ({"vocab_size": cfg["vocab_size"] + 1}, "vocabulary")):  # fmt: skip
+        (folder / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ValueError, match=word):
+            import_drafter(str(folder), target_config=target.config)
+    write_checkpoint(str(folder), cfg, {**sd, "input_layer.extra.weight": torch.zeros(2)})
+    with pytest.raises(ValueError, match="unexpected"):
+        import_drafter(str(folder), target_config=target.config)

@@ -8,8 +8,11 @@
   layers, ``encoder.fc`` / ``encoder.output_norm_enc`` for ``fc`` / ``hidden_norm``, sliding-window layer types. A
   drafter exported here also runs in transformers' own DFlash path
   (``generate(assistant_model=..., speculation_type="dflash")``, batch size 1).
+* ``dspark-deepspec`` / ``dspark-specforge``: DSpark (the DFlash backbone plus ``markov_head`` and
+  ``confidence_head``), DeepSpec's flat config with copies of the target's embeddings and LM head, or SpecForge's
+  ``dflash_config`` holding the DSpark fields and no target weights.
 
-Both record ``target_layer_ids`` as 0-based target *layer* ids (the layer's output is ``output_hidden_states[i + 1]``);
+All record ``target_layer_ids`` as 0-based target *layer* ids (the layer's output is ``output_hidden_states[i + 1]``);
 hf_specdec's config holds the ``output_hidden_states`` indices.
 """
 
@@ -24,7 +27,7 @@ _ENCODER = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": 
 
 
 def _detect_zlab(config: dict, keys: set) -> bool:
-    if "markov_head.markov_w1.weight" in keys:  # DSpark weights, whatever the class label says
+    if _is_dspark(config, keys):  # DSpark's backbone is DFlash's: its own layouts below take it
         return False
     return "DFlashDraftModel" in (config.get("architectures") or []) or (
         isinstance(config.get("dflash_config"), dict) and "fc.weight" in keys and "hidden_norm.weight" in keys
@@ -190,9 +193,88 @@ register_layout(
 )
 
 
-# -- DSpark (DeepSpec DSparkDraftModel) ---------------------------------------------------------------------------------
+# -- DSpark (DeepSpec and SpecForge DSparkDraftModel) -------------------------------------------------------------------
+_DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+_CONTEXT_ATTENTION = ("gqa", "mha")  # SpecForge's modes that are plain softmax attention over [context; block]
+_OLD_HEAD_PREFIX = "logit_head."  # early SpecForge checkpoints kept the Markov / confidence heads under this name
+
+
+def _is_dspark(config: dict, keys: set) -> bool:
+    return (
+        "DSparkDraftModel" in (config.get("architectures") or [])
+        or config.get("model_type") == "dspark"
+        or any(k.endswith("markov_head.markov_w1.weight") for k in keys)
+    )
+
+
 def _detect_dspark(config: dict, keys: set) -> bool:
-    return "DSparkDraftModel" in (config.get("architectures") or []) or "markov_head.markov_w1.weight" in keys
+    return _is_dspark(config, keys) and not isinstance(config.get("dflash_config"), dict)
+
+
+def _detect_dspark_specforge(config: dict, keys: set) -> bool:
+    return _is_dspark(config, keys) and isinstance(config.get("dflash_config"), dict)
+
+
+def _dspark_options(config: dict) -> dict:
+    """The DSpark fields of a flat (DeepSpec) or nested (SpecForge ``dflash_config``) config, checked against what
+    hf_specdec's DSpark is: a vanilla Markov head, a confidence head on ``[h; W1[x]]``, non-causal softmax attention
+    over ``[context; block]``, the full vocabulary, labels not shifted."""
+    nested = config.get("dflash_config") or {}
+    merged = {**config, **nested}
+    kind = str(merged.get("markov_head_type", "vanilla")).lower()
+    rank = int(merged.get("markov_rank") or 0)
+    if kind != "vanilla" or rank <= 0:
+        raise ValueError(
+            f"hf_specdec's DSpark has the vanilla Markov head; this checkpoint has {kind!r} (rank {rank})."
+        )
+    if not merged.get("enable_confidence_head", True) or not merged.get("confidence_head_with_markov", True):
+        raise ValueError(
+            "hf_specdec's DSpark needs the confidence head on [h; W1[x]] (its scheduler reads it); this checkpoint "
+            "has none or reads h alone. Retrain the head (hf-specdec train --drafter dspark starting from it)."
+        )
+    modes = nested.get("attention_modes") or [nested.get("attention_mode", "gqa")]
+    odd = sorted({str(m).lower() for m in modes} - set(_CONTEXT_ATTENTION))
+    if odd:
+        raise ValueError(
+            f"This DSpark checkpoint has {odd} attention layers; hf_specdec's DSpark layers are softmax attention "
+            f"({'/'.join(_CONTEXT_ATTENTION)})."
+        )
+    if config.get("is_causal") or nested.get("is_causal"):
+        raise ValueError("This DSpark checkpoint was trained with causal attention inside the block; hf_specdec's is "
+                         "non-causal (every slot sees the whole block).")  # fmt: skip
+    if nested.get("projector_type") not in (None, "dspark"):
+        raise ValueError(f"Unknown DSpark projector_type {nested['projector_type']!r}; hf_specdec reads 'dspark'.")
+    if int(nested.get("pure_draft_prefix_len") or 0) or nested.get("shift_label"):
+        raise ValueError("This DSpark checkpoint uses pure_draft_prefix_len / shift_label, which hf_specdec lacks.")
+    vocab = int(config["vocab_size"])
+    if int(config.get("draft_vocab_size") or vocab) != vocab:
+        raise ValueError(
+            f"This DSpark checkpoint drafts over {config['draft_vocab_size']} of {vocab} tokens; hf_specdec imports "
+            "full-vocabulary DSpark checkpoints only."
+        )
+    block = {"block_size": merged.get("block_size", 7)}
+    for key in ("mask_token_id", "target_layer_ids"):
+        if key not in merged:
+            raise ValueError(f"This DSpark config lacks {key} (top level or dflash_config).")
+        block[key] = merged[key]
+    return {"block": block, "markov_rank": rank}
+
+
+def _load_dspark(config: dict, state: dict, target: dict):
+    from .configuration_dspark import DSparkConfig
+    from .modeling_dspark import DSparkForDrafting
+
+    opts = _dspark_options(config)
+    state = {(k[len(_OLD_HEAD_PREFIX) :] if k.startswith(_OLD_HEAD_PREFIX) else k): v for k, v in state.items()}
+    vocab = int(target.get("vocab_size") or config["vocab_size"])
+    for name in ("lm_head.weight", "markov_head.markov_w2.weight"):
+        if name in state and state[name].shape[0] != vocab:
+            raise ValueError(
+                f"This DSpark checkpoint's {name} has {state[name].shape[0]} rows, the target's vocabulary {vocab}: "
+                "it was trained for another target (or a restricted draft vocabulary without its id map)."
+            )
+    state = {k: v for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}
+    return _load(config, state, target, opts["block"], DSparkConfig, DSparkForDrafting, markov_rank=opts["markov_rank"])
 
 
 def load_dspark(config: dict, state: dict, target: dict):
@@ -201,26 +283,26 @@ def load_dspark(config: dict, state: dict, target: dict):
     ``confidence_head_with_markov``; the DFlash backbone weights plus ``markov_head.markov_w{1,2}`` and
     ``confidence_head.proj``, and its own copies of the target's ``embed_tokens`` / ``lm_head`` (ignored: hf_specdec
     borrows the target's)."""
-    from .configuration_dspark import DSparkConfig
-    from .modeling_dspark import DSparkForDrafting
+    return _load_dspark(config, state, target)
 
-    kind = str(config.get("markov_head_type", "vanilla")).lower()
-    if kind != "vanilla" or not int(config.get("markov_rank") or 0):
-        raise ValueError(
-            f"hf_specdec's DSpark has the vanilla Markov head; this checkpoint has {kind!r} (rank {config.get('markov_rank')})."
-        )
-    if not config.get("enable_confidence_head", True) or not config.get("confidence_head_with_markov", True):
-        raise ValueError("hf_specdec's DSpark confidence head reads [h; W1[x]]; this checkpoint's does not.")
-    vocab = int(target.get("vocab_size") or config["vocab_size"])
-    head = state.get("lm_head.weight")
-    if head is not None and head.shape[0] != vocab:
-        raise ValueError(
-            f"This DSpark checkpoint's LM head has {head.shape[0]} rows, the target's vocabulary {vocab}: a restricted "
-            "draft vocabulary without its id map cannot be imported."
-        )
-    state = {k: v for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}
-    block = {k: config[k] for k in ("block_size", "mask_token_id", "target_layer_ids")}
-    return _load(config, state, target, block, DSparkConfig, DSparkForDrafting, markov_rank=int(config["markov_rank"]))
+
+def load_dspark_specforge(config: dict, state: dict, target: dict):
+    """SpecForge's ``DSparkDraftModel`` (a ``Qwen3Config`` with ``block_size``, ``num_target_layers`` and a
+    ``dflash_config`` holding ``mask_token_id``, ``target_layer_ids`` (layer ids), ``projector_type`` ``"dspark"``,
+    ``attention_mode(s)``, ``markov_rank``, ``markov_head_type``, ``enable_confidence_head``,
+    ``confidence_head_with_markov``, ``confidence_head_alpha``); the same weights as DeepSpec's without embeddings or
+    LM head (early checkpoints: the heads under ``logit_head.``)."""
+    return _load_dspark(config, state, target)
+
+
+def _dspark_fields(drafter) -> dict:
+    cfg = drafter.config
+    return {
+        "markov_rank": cfg.markov_rank,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+    }
 
 
 def save_dspark(drafter, out_dir: str, target=None) -> None:
@@ -234,15 +316,37 @@ def save_dspark(drafter, out_dir: str, target=None) -> None:
         "mask_token_id": cfg.mask_token_id,
         "target_layer_ids": [i - 1 for i in cfg.target_layer_ids],
         "num_target_layers": cfg.target_num_hidden_layers,
-        "markov_rank": cfg.markov_rank,
-        "markov_head_type": "vanilla",
-        "enable_confidence_head": True,
-        "confidence_head_with_markov": True,
+        **_dspark_fields(drafter),
     }
     weights = _weights(drafter)
     weights["embed_tokens.weight"] = target.get_input_embeddings().weight
     weights["lm_head.weight"] = target.get_output_embeddings().weight
     write_checkpoint(out_dir, config, weights)
+
+
+def save_dspark_specforge(drafter, out_dir: str, target=None) -> None:
+    cfg = drafter.config
+    heads = _dspark_fields(drafter)
+    config = {
+        "architectures": ["DSparkDraftModel"],
+        "auto_map": {"AutoModel": "dspark.DSparkDraftModel"},
+        "model_type": "qwen3",
+        **_fields(drafter),
+        "num_target_layers": cfg.target_num_hidden_layers,
+        "attention_bias": False,
+        "use_sliding_window": any(t == "sliding_attention" for t in cfg.layer_types),
+        "tie_word_embeddings": False,
+        **heads,  # SpecForge's DSparkConfig reads these at the top level, its training configs nest them
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": [i - 1 for i in cfg.target_layer_ids],
+            "projector_type": "dspark",
+            "attention_mode": "gqa",
+            "confidence_head_alpha": 1.0,
+            **heads,
+        },
+    }
+    write_checkpoint(out_dir, config, _weights(drafter))
 
 
 register_layout(
@@ -254,5 +358,16 @@ register_layout(
         detect=_detect_dspark,
         load=load_dspark,
         save=save_dspark,
+    )
+)
+register_layout(
+    Layout(
+        name="dspark-specforge",
+        family="dspark_drafter",
+        description="SpecForge DSparkDraftModel (the same weights, no embeddings or LM head; Qwen3 config with the "
+        "DSpark fields in dflash_config, attention_mode gqa)",
+        detect=_detect_dspark_specforge,
+        load=load_dspark_specforge,
+        save=save_dspark_specforge,
     )
 )

@@ -1,8 +1,9 @@
-"""SpecBlock (Shi et al., arXiv 2605.07243): config, modeling, its rank tree and serving-time adaptation, and the
-family's registration."""
+"""SpecBlock (Shi et al., arXiv 2605.07243): config, modeling, its rank tree, serving-time adaptation, the reference
+checkpoint layout, and the family's registration."""
 
 from ...registry import register_drafter
 from ...tree.policies import register_tree_policy
+from . import convert_specblock  # noqa: F401  (registers the reference layout)
 from .configuration_specblock import SpecBlockConfig
 from .modeling_specblock import SpecBlockDraftState, SpecBlockForDrafting
 from .tree import RankTree

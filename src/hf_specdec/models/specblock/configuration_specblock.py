@@ -19,6 +19,12 @@ class SpecBlockConfig(DecoderDrafterConfig):
     A further block continues from slot ``M - 1`` of its parent block: ``c`` is that slot's draft state, ``e`` the
     embedding of the token drafted there, and the parent's slots ``< M`` stay visible (cross-block drafting).
 
+    What a block sees of earlier positions (``context_slots``): ``"first"`` keeps one entry per verified position in
+    the draft cache (slot 0 of its block; the default), ``"all"`` all ``K`` slots of every verified position's block,
+    as the reference implementation trains and serves (``K`` times the draft cache and context work; the layout
+    ``specblock-reference`` needs it). With ``"all"`` a block at the last verified position sees the blocks of the
+    positions before it whole and its ancestors' slots ``< M``.
+
     A rank head reads each slot's state (detached) and 15 statistics of its draft distribution and predicts in which
     of 4 buckets the target's choice ranks (1, 2-4, 5-10, > 10); the rank tree uses it to set the branching width.
 
@@ -30,6 +36,8 @@ class SpecBlockConfig(DecoderDrafterConfig):
         block_size (`int`, defaults to 4): positions ``K`` per block pass.
         layer_shift (`bool`, defaults to `True`): the layer-wise shift between layers (``False``: the ablation
             without it).
+        context_slots (`str`, defaults to ``"first"``): ``"first"`` or ``"all"`` slots of each verified position's
+            block in the draft cache (above).
         rank_head_size (`int`, defaults to 256): hidden width of the rank head's MLP.
         rank_branch_widths (`list[int]`, defaults to ``[1, 4, 10, 0]``): branching width of the rank tree at a slot
             per predicted bucket (0 for the last bucket: give up, start no further block).
@@ -50,6 +58,7 @@ class SpecBlockConfig(DecoderDrafterConfig):
     num_hidden_layers: int = 2
     block_size: int = 4
     layer_shift: bool = True
+    context_slots: str = "first"
     rank_head_size: int = 256
     rank_branch_widths: list | None = None
     num_train_blocks: int = 3
@@ -88,6 +97,8 @@ class SpecBlockConfig(DecoderDrafterConfig):
                 raise ValueError(f"{name}.{key} must be an integer >= {minimum}, got {value!r}.")
         if not isinstance(self.layer_shift, bool):
             raise ValueError(f"{name}.layer_shift must be true or false, got {self.layer_shift!r}.")
+        if self.context_slots not in ("first", "all"):
+            raise ValueError(f"{name}.context_slots must be 'first' or 'all', got {self.context_slots!r}.")
         widths = self.rank_branch_widths
         if (
             not isinstance(widths, (list, tuple))

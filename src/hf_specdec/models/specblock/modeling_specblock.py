@@ -8,9 +8,15 @@ of the slot before it between layers. A further block continues from slot ``M - 
 condition, the token drafted there as the input, the parent's slots ``< M`` visible), so a chain longer than ``K`` and
 the rank tree are made of block passes.
 
-Design choice [not from the paper]: earlier positions are seen through their context entry (slot 0) only, so the
-draft cache holds one entry per verified token, as EAGLE-3's; the reference training mask also shows a slot the other
-slots of earlier positions, which inference would have to keep ``K`` entries per token for.
+Design choice [not from the paper]: by default (``context_slots="first"``) earlier positions are seen through their
+context entry (slot 0) only, so the draft cache holds one entry per verified token, as EAGLE-3's. The reference
+implementation keeps all ``K`` slots of every verified position's block (its training mask shows a slot every slot of
+earlier positions); ``context_slots="all"`` does the same: the blocks at the ``N`` newly verified positions run whole
+(slot ``k`` at position ``t`` sees every cached slot and slots ``<= k`` of its own block) and all ``N * K`` slots enter
+the cache; the block at the last verified position is the first block of the proposal, and a further block sees the
+cached blocks of the positions before it and its ancestors' slots ``< M`` (the reference's block-2 mask) and sits at
+the first block's RoPE positions (the reference's too). Reference checkpoints (layout ``specblock-reference``) load in
+that mode.
 """
 
 from __future__ import annotations
@@ -108,8 +114,8 @@ class SpecBlockDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
-    def context(self, x, cos, sin, cache, valid):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, valid)
+    def context(self, x, cos, sin, cache, valid, attn_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, valid, attn_mask=attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def block(self, x, cos, sin, ctx, ctx_mask, local, local_mask):
@@ -158,6 +164,9 @@ class SpecBlockDraftState:
     position: torch.Tensor | None = None  # (B,) the last verified position
     layer_states: list | None = None  # per shifted layer: (B, H) input of that layer before the shift
     hidden: torch.Tensor | None = None  # (B, H) the context entry's final state (slot 0)
+    block_hidden: torch.Tensor | None = None  # context_slots="all": (B, K, H) the last verified position's block
+    block_kv: list | None = None  # context_slots="all": per layer (keys, values) (B, kv, K, d) of that block
+    entry_pos: torch.Tensor | None = None  # context_slots="all": (B, S) the verified position of each cache entry
     first: _Blocks | None = None
     adapter: object | None = None  # serving-time adaptation (see adaptation.py), when on
 
@@ -224,6 +233,11 @@ class SpecBlockForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
     def block_size(self) -> int:
         return int(self.config.block_size)
 
+    @property
+    def all_slots(self) -> bool:
+        """Whether the draft cache holds all ``K`` slots of each verified position's block (``context_slots="all"``)."""
+        return self.config.context_slots == "all"
+
     def check_target_layer_ids(self) -> None:
         n_feats = self.fc.in_features // self.config.target_hidden_size
         if len(self.config.target_layer_ids or ()) != n_feats:
@@ -256,6 +270,25 @@ class SpecBlockForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
 
     def _shift(self, i: int, x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         return self.shift_proj[i](torch.cat([x, prev], dim=-1))
+
+    def context_pass_all(self, x, positions, valid, caches):
+        """``context_slots="all"``: the blocks of ``N`` verified positions, ``x`` ``(B, N, K, H)`` (``positions``
+        ``(B, N)`` the verified positions, slot ``k`` sits at ``t + 1 + k``), through the layers, appending all their
+        slots to ``caches``: slot ``k`` at ``t`` sees every cached slot, every slot of earlier new positions and slots
+        ``<= k`` of its own block. Returns the final states ``(B, N, K, H)``."""
+        bsz, n, k, h = x.shape
+        slot = torch.arange(k, device=x.device)
+        cos, sin = self.rotary_emb((positions[:, :, None] + 1 + slot).reshape(bsz, n * k), x.dtype)
+        src, own = torch.arange(n, device=x.device).repeat_interleave(k), slot.repeat(n)
+        new = (src[None] < src[:, None]) | ((src[None] == src[:, None]) & (own[None] <= own[:, None]))
+        old = torch.ones(n * k, caches[0].length, dtype=torch.bool, device=x.device)
+        mask = torch.cat([old, new], dim=1)[None].expand(bsz, -1, -1)
+        flat_valid = valid[:, :, None].expand(-1, -1, k).reshape(bsz, n * k)
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            if i > 0 and self.shift_proj:
+                x = self._shift(i - 1, x, torch.cat([x[:, :, :1], x[:, :, :-1]], dim=2))
+            x = layer.context(x.reshape(bsz, n * k, h), cos, sin, cache, flat_valid, attn_mask=mask).view(bsz, n, k, h)
+        return x
 
     def context_pass(self, x, positions, valid, caches):
         """Context entries ``x`` ``(B, N, H)`` at ``positions`` through the layers (appending to ``caches``). Returns
@@ -307,12 +340,14 @@ class SpecBlockForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
     def next_blocks(self, parents: list[_Blocks], ancestry, cond, tokens, base, ctx, ctx_mask) -> _Blocks:
         """Blocks continuing from parent slots: ``cond`` ``(B, A, H)`` the parents' slot states (before
         ``cond_norm``), ``tokens`` ``(B, A)`` the tokens drafted there, ``base`` ``(B, A)`` the position of the new
-        slot 0; ``ancestry`` per earlier pass ``(index, M)`` ``(B, A)``."""
+        slot 0; ``ancestry`` per earlier pass ``(index, M)`` ``(B, A)``. With ``context_slots="all"`` the new slots
+        take the first block's RoPE positions, as the reference trains and serves further blocks (the labels still
+        follow ``base``)."""
         k = self.block_size
         slots = torch.arange(k, device=self.device)
         c = self.cond_norm(cond)[:, :, None].expand(-1, -1, k, -1)
         x = self.slot_inputs(c, tokens[:, :, None].expand(-1, -1, k), slots)
-        positions = base[:, :, None] + slots
+        positions = (parents[0].base.expand_as(base) if self.all_slots else base)[:, :, None] + slots
         local, lmask = self._local(parents, ancestry)
         if lmask is not None:
             lmask = lmask[:, :, None].expand(-1, -1, k, -1)
@@ -340,40 +375,69 @@ class SpecBlockForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
         tokens = inputs.next_token_ids.to(self.device)
         positions = inputs.position_ids.to(self.device)
         valid = inputs.valid.to(self.device)
-        x = self.slot_inputs(cond, tokens, torch.zeros((), dtype=torch.long, device=self.device))
-        out, before = self.context_pass(x, positions + 1, valid, state.caches)
+        bsz, n = tokens.shape
+        slot = torch.arange(n, device=valid.device)
+        last = torch.where(valid, slot, -1).max(dim=1).values
+        rows = torch.arange(bsz, device=valid.device)
+        at = last.clamp(min=0)
+        new = {"cond": cond[rows, at], "token": tokens[rows, at], "position": positions[rows, at]}
+        if self.all_slots:
+            k = self.block_size
+            slots = torch.arange(k, device=self.device)
+            x = self.slot_inputs(cond[:, :, None].expand(-1, -1, k, -1), tokens[:, :, None].expand(-1, -1, k), slots)
+            out = self.context_pass_all(x, positions, valid, state.caches)
+            new["block_hidden"] = out[rows, at]
+            new["hidden"] = new["block_hidden"][:, 0]
+            for i, cache in enumerate(state.caches):  # the new block's keys and values, before any compaction
+                keys, values = (z[:, :, -n * k :].unflatten(2, (n, k))[rows, :, at] for z in (cache.keys, cache.values))
+                new[f"kv{i}"] = torch.stack([keys, values])
+            entry_pos = positions[:, :, None].expand(-1, -1, k).reshape(bsz, n * k)
+            state.entry_pos = entry_pos if state.entry_pos is None else torch.cat([state.entry_pos, entry_pos], dim=1)
+            layer_states = []
+        else:
+            x = self.slot_inputs(cond, tokens, torch.zeros((), dtype=torch.long, device=self.device))
+            out, before = self.context_pass(x, positions + 1, valid, state.caches)
+            new["hidden"] = out[rows, at]
+            layer_states = [b[rows, at] for b in before]
         plan = compaction_index(state.caches[0].valid)  # every layer holds the same slots: one plan for all
         if plan is not None:
             for cache in state.caches:
                 cache.compact()
-        slot = torch.arange(valid.shape[1], device=valid.device)
-        last = torch.where(valid, slot, -1).max(dim=1).values
-        rows = torch.arange(valid.shape[0], device=valid.device)
-        at = last.clamp(min=0)
-        new = {
-            "cond": cond[rows, at],
-            "token": tokens[rows, at],
-            "position": positions[rows, at],
-            "hidden": out[rows, at],
-        }
-        layer_states = [b[rows, at] for b in before]
+            if state.entry_pos is not None:
+                state.entry_pos = state.entry_pos.gather(1, plan[0])
         if state.cond is not None:  # a row without a verified slot here (it finished) keeps its anchor
             keep = last < 0
+            old_kv = {f"kv{i}": torch.stack(kv) for i, kv in enumerate(state.block_kv or [])}
             for key in new:
-                old = getattr(state, key)
-                new[key] = torch.where(keep.view(-1, *[1] * (old.dim() - 1)), old, new[key])
+                old = old_kv[key] if key in old_kv else getattr(state, key)
+                shape = (1, -1, *[1] * (old.dim() - 2)) if key in old_kv else (-1, *[1] * (old.dim() - 1))
+                new[key] = torch.where(keep.view(*shape), old, new[key])
             layer_states = [torch.where(keep[:, None], o, n) for o, n in zip(state.layer_states, layer_states)]
+        if self.all_slots:
+            state.block_kv = [tuple(new.pop(f"kv{i}")) for i in range(len(self.layers))]
         for key, value in new.items():
             setattr(state, key, value)
         state.layer_states = layer_states
         state.first = None
 
     def _context(self, state: SpecBlockDraftState, num_blocks: int):
+        """What further blocks see of the cache: every entry (``"first"``: the context entries up to the anchor's,
+        whose slot 0 is one) or, with ``context_slots="all"``, the blocks of the positions before the anchor (the
+        anchor's own block reaches them as an ancestor)."""
         ctx = [(c.keys, c.values) for c in state.caches]
-        return ctx, state.caches[0].valid[:, None].expand(-1, num_blocks, -1)
+        valid = state.caches[0].valid
+        if self.all_slots:
+            valid = valid & (state.entry_pos < state.position[:, None])
+        return ctx, valid[:, None].expand(-1, num_blocks, -1)
 
     def first_block(self, state: SpecBlockDraftState) -> _Blocks:
-        """The block after the last verified position (slot 0 is its context entry; slots ``1..K-1`` run now)."""
+        """The block after the last verified position (slot 0 is its context entry; slots ``1..K-1`` run now; with
+        ``context_slots="all"`` :meth:`observe` already ran the whole block)."""
+        if state.first is None and self.all_slots:  # observe ran the whole block
+            hidden = state.block_hidden[:, None]
+            kv = [(keys[:, :, None], values[:, :, None]) for keys, values in state.block_kv]
+            slots = torch.arange(self.block_size, device=self.device)
+            state.first = _Blocks(hidden, self.draft_logits(hidden).float(), kv, slots, (state.position + 1)[:, None])
         if state.first is None:
             k = self.block_size
             hidden0 = state.hidden[:, None, None]
@@ -571,7 +635,6 @@ class SpecBlockForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
         bsz, t = input_ids.shape
         k = self.block_size
         ids = input_ids.to(self.device)
-        cond, nxt, out0, before, ctx, valid = self._training_context(ids, features, attention_mask)
         if anchors is None:
             anchors = torch.arange(t, device=self.device)[None].expand(bsz, t)
         anchors = anchors.to(self.device)
@@ -580,6 +643,10 @@ class SpecBlockForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
         def at(z):  # (B, T, ...) -> (B, A, ...) at the anchors
             return z.gather(1, anchors.view(bsz, a, *[1] * (z.dim() - 2)).expand(-1, -1, *z.shape[2:]))
 
+        if self.all_slots:
+            first, ctx, ctx_mask = self._first_blocks_all(ids, features, attention_mask, anchors, at)
+            return first, self._further_blocks(ids, first, offsets, ctx, ctx_mask)
+        cond, nxt, out0, before, ctx, valid = self._training_context(ids, features, attention_mask)
         position = torch.arange(t, device=self.device)
         ctx_mask = (anchors[:, :, None] >= position[None, None, :]) & valid[:, None, :]  # (B, A, S)
         slots = torch.arange(1, k, device=self.device)
@@ -595,18 +662,52 @@ class SpecBlockForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
         else:
             hidden, kv = hidden0, []
         first = _Blocks(hidden, self.draft_logits(hidden), kv, slots, base)
+        return first, self._further_blocks(ids, first, offsets, ctx, ctx_mask)
+
+    def _first_blocks_all(self, ids, features, attention_mask, anchors, at):
+        """``context_slots="all"``: the block of every position in one pass (the cache inference builds), block 1 at
+        the anchors, and the context further blocks see (the blocks of positions before the anchor)."""
+        bsz, t = ids.shape
+        k = self.block_size
+        valid = (
+            torch.ones(bsz, t, dtype=torch.bool, device=self.device)
+            if attention_mask is None
+            else attention_mask.to(self.device).bool()
+        )
+        nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
+        cond = self.condition(features)
+        slots = torch.arange(k, device=self.device)
+        x = self.slot_inputs(cond[:, :, None].expand(-1, -1, k, -1), nxt[:, :, None].expand(-1, -1, k), slots)
+        caches = [SlotKVCache() for _ in self.layers]
+        states = self.context_pass_all(x, torch.arange(t, device=self.device)[None].expand(bsz, t), valid, caches)
+        hidden = at(states)
+        kv = [
+            tuple(at(z.unflatten(2, (t, k)).transpose(1, 2)).transpose(1, 2) for z in (c.keys, c.values))
+            for c in caches
+        ]
+        entry = torch.arange(t, device=self.device).repeat_interleave(k)
+        ctx_mask = (entry[None, None] < anchors[:, :, None]) & valid.repeat_interleave(k, dim=1)[:, None]
+        first = _Blocks(hidden, self.draft_logits(hidden), kv, slots, anchors + 1)
+        return first, [(c.keys, c.values) for c in caches], ctx_mask
+
+    def _further_blocks(self, ids, first: _Blocks, offsets, ctx, ctx_mask) -> list:
+        """Blocks ``2..`` of :meth:`training_blocks`: block ``b + 1`` continues from slot ``offsets[b] - 1`` of block
+        ``b`` with the true token there."""
+        bsz, t = ids.shape
+        a = first.base.shape[1]
         cur, chain, further = first, [first], []
         whole = torch.arange(a, device=self.device)[None].expand(bsz, -1)
         offsets = [m.to(self.device) for m in offsets]
         for b, m in enumerate(offsets):
-            parent_state = cur.hidden.gather(2, (m - 1)[:, :, None, None].expand(-1, -1, 1, hidden.shape[-1]))[:, :, 0]
+            width = first.hidden.shape[-1]
+            parent_state = cur.hidden.gather(2, (m - 1)[:, :, None, None].expand(-1, -1, 1, width))[:, :, 0]
             start = cur.base + m
             token = ids.gather(1, start.clamp(max=t - 1))
             ancestry = [(whole, offsets[i]) for i in range(b + 1)]
             cur = self.next_blocks(chain, ancestry, parent_state, token, start, ctx, ctx_mask)
             chain.append(cur)
             further.append(cur)
-        return first, further
+        return further
 
     def teacher_forced_logits(self, input_ids, features, attention_mask=None, steps: int | None = None):
         """Per depth ``j``: ``(B, T, V')``, anchor ``t`` predicting token ``t + 2 + j`` with the true tokens fed where a
