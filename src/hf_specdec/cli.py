@@ -618,7 +618,7 @@ def _convert(args) -> int:
     if args.list:
         for name, layout in sorted(LAYOUTS.items()):
             modes = "/".join(m for m, f in (("import", layout.load), ("export", layout.save)) if f)
-            print(f"{name:<18} {layout.family:<16} {modes:<14} {layout.description}")
+            print(f"{name:<22} {layout.family:<18} {modes:<14} {layout.description}")
         return 0
     if not args.src or not args.out:
         raise SystemExit("hf-specdec convert: give SRC and OUT (or --list).")

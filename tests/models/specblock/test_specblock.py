@@ -497,3 +497,36 @@ def test_reference_layout_refuses_what_it_cannot_run(tmp_path):
     write_checkpoint(str(folder), cfg, {**sd, "input_layer.extra.weight": torch.zeros(2)})
     with pytest.raises(ValueError, match="unexpected"):
         import_drafter(str(folder), target_config=target.config)
+
+
+def test_all_slot_cache_compaction_keeps_every_block():
+    """With the all-slot cache, every padding token leaves K dead entries; where all rows have them the cache is
+    compacted at once, and the short row's first block and a block continuing from it (which must skip the anchor's
+    own cached block) equal the same row drafted alone."""
+    target = make_target("llama", seed=1)
+    drafter = TestSpecBlock().make_drafter(target, seed=2, context_slots="all", block_size=3).bind_target(target)
+    g = torch.Generator().manual_seed(4)
+    long, short = torch.randint(5, 90, (1, 40), generator=g), torch.randint(5, 90, (1, 8), generator=g)
+    pad = torch.zeros(1, 20, dtype=torch.long)  # padding in both rows: slots dead in every row, worth dropping
+    ids = torch.cat([torch.cat([pad, long], 1), torch.cat([pad, torch.zeros(1, 32, dtype=torch.long), short], 1)])
+    mask = (ids != 0).long()
+    first_token = torch.tensor([7, 9])
+
+    def draft(ids, mask, first_token, row):
+        state = drafter.init_draft_state(ids.shape[0], 128)
+        with torch.no_grad():
+            drafter.observe(state, prefill_inputs(target, ids, mask, first_token))
+            if ids.shape[0] > 1:
+                assert state.caches[0].length < ids.shape[1] * 3, "the cache was not compacted"
+            blk = drafter.first_block(state)
+            ctx, cmask = drafter._context(state, 1)
+            m = torch.full((ids.shape[0], 1), 2)
+            whole = torch.zeros_like(m)
+            token = torch.full((ids.shape[0], 1), 11)
+            nxt = drafter.next_blocks([blk], [(whole, m)], blk.hidden[:, :, 1], token, blk.base + 2, ctx, cmask)
+        return blk.logits[row], nxt.logits[row]
+
+    alone = draft(short, torch.ones_like(short), first_token[1:], 0)
+    batched = draft(ids, mask, first_token, 1)
+    for a, b in zip(alone, batched):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
