@@ -3,8 +3,9 @@
 # audit (scripts/asd_audit_smollm2.sh, model_cards/results/smollm2-asd-tune.json: B = 1, g = 0.5, M = 2), measured on
 # the held-out test half of the same arithmetic word problems (`--split test`, exact match, to natural EOS, cap 256
 # tokens) with the DSpark drafter of scripts/train_smollm2_families.sh at a fixed 7 drafts per pass and no lookup:
-# plain, strict verification and ASD in one run, greedy, batch 1, fp32, 2 threads (run it alone).
-# Outputs: model_cards/results/smollm2-dspark-asd-arithmetic.{json,md,png}.
+# plain, strict verification and ASD in one run, greedy, batch 1, fp32, 2 threads (run it alone); then the same on
+# the held-out HumanEval problems (pass@1, cap 512 tokens), as the EAGLE-3 audit did.
+# Outputs: model_cards/results/smollm2-dspark-asd-{arithmetic,humaneval}.{json,md,png}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/smollm2-families}
@@ -16,6 +17,7 @@ print(rec["asd_budget"], rec["asd_gate"], rec["asd_block_cap"])
 PY
 )
 echo "frozen by the EAGLE-3 audit: B=$B g=$G M=$M"
-hf-specdec bench --target smollm2 --task arithmetic --max-prompts 60 --split test --max-new-tokens 256 \
-    --drafter "$RUN/dspark" --verifier asd --asd-budget "$B" --asd-gate "$G" --asd-block-cap "$M" \
-    --draft-length fixed --lookup-tokens 0 --no-peers --threads 2 --out "$OUT" --stem smollm2-dspark-asd-arithmetic
+AUDIT=(--target smollm2 --split test --drafter "$RUN/dspark" --verifier asd --asd-budget "$B" --asd-gate "$G"
+       --asd-block-cap "$M" --draft-length fixed --lookup-tokens 0 --no-peers --threads 2 --out "$OUT")
+hf-specdec bench "${AUDIT[@]}" --task arithmetic --max-prompts 60 --max-new-tokens 256 --stem smollm2-dspark-asd-arithmetic
+hf-specdec bench "${AUDIT[@]}" --task humaneval --max-prompts 40 --max-new-tokens 512 --stem smollm2-dspark-asd-humaneval
