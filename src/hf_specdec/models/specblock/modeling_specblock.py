@@ -609,18 +609,22 @@ class SpecBlockForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
         return Proposal(tokens=chosen_tokens, kind="tree", parents=parents, lengths=real.sum(1))
 
     # -- training ------------------------------------------------------------------------------------------------
+    def _training_inputs(self, ids, features, attention_mask):
+        """``(valid, next tokens, condition)`` of a whole sequence: position ``t`` pairs the target state at ``t`` with
+        token ``t + 1``."""
+        valid = (
+            torch.ones(ids.shape, dtype=torch.bool, device=self.device)
+            if attention_mask is None
+            else attention_mask.to(self.device).bool()
+        )
+        return valid, torch.cat([ids[:, 1:], ids[:, -1:]], dim=1), self.condition(features)
+
     def _training_context(self, input_ids, features, attention_mask):
         """The context pass over a whole sequence: ``(cond, final states, states before each shift, per-layer
         (keys, values), valid)``; position ``t``'s entry pairs the target state at ``t`` with token ``t + 1``."""
         bsz, t = input_ids.shape
-        valid = (
-            torch.ones(bsz, t, dtype=torch.bool, device=self.device)
-            if attention_mask is None
-            else attention_mask.to(self.device).bool()
-        )
         ids = input_ids.to(self.device)
-        nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
-        cond = self.condition(features)
+        valid, nxt, cond = self._training_inputs(ids, features, attention_mask)
         x = self.slot_inputs(cond, nxt, torch.zeros((), dtype=torch.long, device=self.device))
         caches = [SlotKVCache() for _ in self.layers]
         positions = torch.arange(t, device=self.device)[None].expand(bsz, t) + 1
@@ -669,13 +673,7 @@ class SpecBlockForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
         the anchors, and the context further blocks see (the blocks of positions before the anchor)."""
         bsz, t = ids.shape
         k = self.block_size
-        valid = (
-            torch.ones(bsz, t, dtype=torch.bool, device=self.device)
-            if attention_mask is None
-            else attention_mask.to(self.device).bool()
-        )
-        nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
-        cond = self.condition(features)
+        valid, nxt, cond = self._training_inputs(ids, features, attention_mask)
         slots = torch.arange(k, device=self.device)
         x = self.slot_inputs(cond[:, :, None].expand(-1, -1, k, -1), nxt[:, :, None].expand(-1, -1, k), slots)
         caches = [SlotKVCache() for _ in self.layers]
