@@ -20,6 +20,10 @@ The Hub's other upload transport, Xet, is not implemented: tests must set ``HF_H
 takes the LFS batch path (the one it takes whenever ``hf_xet`` is not installed). Any request this server does not
 implement (a Xet token request included) is answered 404 and recorded in ``unknown``; tests assert it stays empty.
 
+Dataset repositories (``repo_type="dataset"``) take the same routes under ``/datasets/...`` and ``/api/datasets/...``,
+kept apart from model repositories; ``GET .../tree/{revision}[/{folder}]`` lists a revision's files (one page), as
+``datasets.load_dataset`` asks.
+
 Both listeners bind to 127.0.0.1 on free ports and are shut down when the context manager exits. Files are kept in
 memory per repository and revision.
 """
@@ -133,7 +137,7 @@ class LocalHub:
         hub = self
 
         def _not_implemented(handler):
-            path = handler._path()
+            path = unquote(urlparse(handler.path).path)
             handler.close_connection = True  # the request body may not have been read
             hub.unknown.append(f"{handler.command} {path}")
             return handler._json(404, {"error": f"not implemented: {handler.command} {path}"})
@@ -182,6 +186,22 @@ class LocalHub:
                 return _not_implemented(self)
 
         class Hub(_Handler):
+            # Dataset repos are addressed under /datasets/... and /api/datasets/...; the handler maps those URLs onto
+            # the model ones and keeps dataset repos under a "datasets/" key, so a dataset never shadows a model.
+            kind = ""
+
+            def _path(self):
+                path = super()._path()
+                for prefix, replacement in (("/api/datasets/", "/api/models/"), ("/datasets/", "/")):
+                    if path.startswith(prefix):
+                        self.kind = "datasets/"
+                        return replacement + path[len(prefix) :]
+                self.kind = ""
+                return path
+
+            def _repo(self, repo_id):
+                return hub.repos.get(self.kind + repo_id)
+
             def do_PUT(self):
                 return _not_implemented(self)
 
@@ -195,16 +215,19 @@ class LocalHub:
                 if path == "/api/repos/create":
                     req = json.loads(body or b"{}")
                     repo_id = f"{req['organization']}/{req['name']}" if req.get("organization") else req["name"]
-                    if repo_id in hub.repos:
-                        return self._json(409, {"error": "You already created this model repo", "url": repo_id})
+                    kind = "datasets/" if req.get("type") == "dataset" else ""
+                    if kind + repo_id in hub.repos:
+                        what = "dataset" if kind else "model"
+                        return self._json(409, {"error": f"You already created this {what} repo", "url": repo_id})
                     private = req.get("visibility", "private" if req.get("private") else "public") == "private"
-                    hub.repos[repo_id] = {"private": private, "revisions": {"main": {}}, "pointers": {"main": {}}}
-                    return self._json(200, {"url": f"{hub.endpoint}/{repo_id}", "name": repo_id})
+                    repo = {"private": private, "revisions": {"main": {}}, "pointers": {"main": {}}}
+                    hub.repos[kind + repo_id] = repo
+                    return self._json(200, {"url": f"{hub.endpoint}/{kind}{repo_id}", "name": repo_id})
                 parts = path.split("/")
                 # /{org}/{name}.git/info/lfs/objects/{batch,verify}
                 if len(parts) == 7 and parts[2].endswith(".git") and parts[3:6] == ["info", "lfs", "objects"]:
                     repo_id = f"{parts[1]}/{parts[2].removesuffix('.git')}"
-                    if repo_id not in hub.repos:
+                    if self._repo(repo_id) is None:
                         return self._json(404, {"message": "Repository not found"}, content_type=LFS_CONTENT_TYPE)
                     if parts[6] == "batch":
                         return self._lfs_batch(repo_id, json.loads(body))
@@ -218,7 +241,7 @@ class LocalHub:
                 # /api/models/{org}/{name}/{action}/{revision}
                 if len(parts) >= 6 and parts[1] == "api" and parts[2] == "models":
                     repo_id, action, rev = f"{parts[3]}/{parts[4]}", parts[5], "/".join(parts[6:]) or "main"
-                    repo = hub.repos.get(repo_id)
+                    repo = self._repo(repo_id)
                     if repo is None:
                         return self._json(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"})
                     if self._query():  # create_pr, hot_reload, ...: pull requests are not implemented
@@ -258,9 +281,9 @@ class LocalHub:
                         hub._pending[oid] = (size, token)
                         objects.append({"oid": oid, "size": size, "authenticated": True, "actions": {
                             "upload": {"href": f"{hub.storage_endpoint}/upload/{oid}?token={token}", "expires_in": 900},
-                            "verify": {"href": f"{hub.endpoint}/{repo_id}.git/info/lfs/objects/verify"},
+                            "verify": {"href": f"{hub.endpoint}/{self.kind}{repo_id}.git/info/lfs/objects/verify"},
                         }})  # fmt: skip
-                    hub.lfs_batches.append({"repo": repo_id, "oids": [o["oid"] for o in req["objects"]]})
+                    hub.lfs_batches.append({"repo": self.kind + repo_id, "oids": [o["oid"] for o in req["objects"]]})
                 return self._json(200, {"transfer": "basic", "objects": objects}, content_type=LFS_CONTENT_TYPE)
 
             def _commit(self, repo_id, repo, rev, body):
@@ -298,16 +321,16 @@ class LocalHub:
                     files[name] = hub.lfs_objects[oid]
                     pointers[name] = oid
                 oid = _revision_sha(files)
-                hub.commits.append({"repo": repo_id, "revision": rev, "summary": summary, "oid": oid,
+                hub.commits.append({"repo": self.kind + repo_id, "revision": rev, "summary": summary, "oid": oid,
                                     "regular": sorted(regular), "lfs": sorted(lfs)})  # fmt: skip
-                return self._json(200, {"commitUrl": f"{hub.endpoint}/{repo_id}/commit/{oid}",
+                return self._json(200, {"commitUrl": f"{hub.endpoint}/{self.kind}{repo_id}/commit/{oid}",
                                         "commitOid": oid, "pullRequestUrl": None})  # fmt: skip
 
             def _resolve(self):
                 parts = self._path().split("/")
                 # /{org}/{name}/resolve/{revision}/{file...}
                 if len(parts) >= 6 and parts[3] == "resolve":
-                    repo = hub.repos.get(f"{parts[1]}/{parts[2]}")
+                    repo = self._repo(f"{parts[1]}/{parts[2]}")
                     if repo is None:
                         return self._json(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"})
                     rev, name = _find_revision(repo, parts[4]), "/".join(parts[5:])
@@ -328,6 +351,33 @@ class LocalHub:
                     return self._send(200, data, headers, content_type="application/octet-stream")
                 return _not_implemented(self)
 
+            def _tree(self, repo_id, revision, folder):
+                """list_repo_tree: /api/models/{org}/{name}/tree/{revision}[/{folder}]?recursive=..., one page."""
+                repo = self._repo(repo_id)
+                rev = _find_revision(repo, revision) if repo is not None else None
+                if rev is None:
+                    return self._json(404, {"error": "Repository or revision not found"})
+                recursive = self._query().get("recursive", ["false"])[0].lower() == "true"
+                prefix = f"{folder.strip('/')}/" if folder.strip("/") else ""
+                entries = {}
+                for name, data in sorted(repo["revisions"][rev].items()):
+                    if not name.startswith(prefix):
+                        continue
+                    rest = name[len(prefix) :].split("/")
+                    depth = len(rest) if recursive else 1
+                    for k in range(1, min(depth, len(rest) - 1) + 1):  # the folders on the way
+                        sub = prefix + "/".join(rest[:k])
+                        entries[sub] = {"type": "directory", "oid": hashlib.sha1(sub.encode()).hexdigest(), "size": 0,
+                                        "path": sub}  # fmt: skip
+                    if recursive or len(rest) == 1:
+                        entries[name] = {"type": "file", "oid": git_blob_oid(data), "size": len(data), "path": name}
+                        oid = repo["pointers"][rev].get(name)
+                        if oid is not None:
+                            entries[name]["lfs"] = {"oid": oid, "size": len(data), "pointerSize": 134}
+                if prefix and not entries:
+                    return self._json(404, {"error": "Entry not found"}, {"X-Error-Code": "EntryNotFound"})
+                return self._json(200, list(entries.values()))
+
             def do_HEAD(self):
                 return self._resolve()
 
@@ -336,11 +386,13 @@ class LocalHub:
                 if path == "/api/agent-harnesses":  # client-side agent detection; nothing here
                     return self._json(200, {"standardEnvVars": [], "harnesses": []})
                 parts = path.split("/")
+                if len(parts) >= 7 and parts[1] == "api" and parts[2] == "models" and parts[5] == "tree":
+                    return self._tree(f"{parts[3]}/{parts[4]}", parts[6], "/".join(parts[7:]))
                 # model_info: /api/models/{org}/{name} or /api/models/{org}/{name}/revision/{rev}
                 if len(parts) >= 5 and parts[1] == "api" and parts[2] == "models":
                     if not (len(parts) == 5 or (len(parts) == 7 and parts[5] == "revision")):
                         return _not_implemented(self)
-                    repo = hub.repos.get(f"{parts[3]}/{parts[4]}")
+                    repo = self._repo(f"{parts[3]}/{parts[4]}")
                     if repo is None:
                         return self._json(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"})
                     rev = _find_revision(repo, parts[6] if len(parts) == 7 else "main")

@@ -55,21 +55,27 @@ def test_chooses_plain_steps_when_drafting_does_not_pay():
 
 def test_probes_of_a_losing_arm_back_off_and_resume_when_the_best_changes():
     ctrl = DraftLengthController(2, probe_every=4, max_probe_gap=32)
-    _feed(ctrl, 2, [0, 0], 0.30)
+    _feed(ctrl, 2, [0, 0], 0.12)
     _feed(ctrl, 0, [0, 0], 0.10)
     probes = []
     for _ in range(200):
         k = ctrl.choose(100)
         if k:
             probes.append(ctrl.passes)
-        _feed(ctrl, k, [0, 0], 0.10 + 0.1 * k)  # drafts are never accepted: every probe loses
+        _feed(ctrl, k, [0, 0], 0.10 + 0.01 * k)  # drafts are never accepted: every probe loses
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[-1] == 32 and len(probes) < 14, probes  # 4, 8, 16, 32, 32, ...
     # The text turns predictable: the next probe finds drafts accepted, the best changes, probes come often again.
+    changed_at, later_probes = None, []
     for _ in range(120):
         k = ctrl.choose(100)
+        if changed_at is None and ctrl.best() >= 1:
+            changed_at = ctrl.passes
+        elif changed_at is not None and k != ctrl.best():
+            later_probes.append(ctrl.passes)
         _feed(ctrl, k, [k, k], 0.10 + 0.01 * k)
-    assert ctrl.best() >= 1 and ctrl._probe_gap <= 16  # drafting again, and looking around more often
+    assert ctrl.best() >= 1 and changed_at is not None  # drafting again
+    assert later_probes and later_probes[0] - changed_at <= 4  # and looking around soon after the change
 
 
 def test_chooses_long_drafts_when_they_are_accepted_and_cheap():
@@ -94,14 +100,46 @@ def test_choice_respects_the_length_limit():
     assert ctrl.choose(0) == 0
 
 
-def test_pass_time_interpolates_and_extrapolates():
-    ctrl = DraftLengthController(6)
-    ctrl.cost = {0: 1.0, 4: 2.0}
-    assert ctrl.pass_time(2) == pytest.approx(1.5)
-    assert ctrl.pass_time(6) == pytest.approx(2.5)  # slope of the two known points
-    one = DraftLengthController(6)
-    one.cost = {3: 2.0}
-    assert one.pass_time(5) > 2.0 > one.pass_time(1) > 0
+def test_costs_are_measured_relative_to_plain_steps_and_survive_load_changes():
+    ctrl = DraftLengthController(4, probe_every=1000)
+    _feed(ctrl, 3, [3], 0.30)  # before any plain step: kept, converted once one is measured
+    assert ctrl.relative_cost(3) is None and ctrl.relative_cost(2) is None
+    _feed(ctrl, 0, [0], 0.20)
+    assert ctrl.relative_cost(0) == 1.0 and ctrl.relative_cost(3) == pytest.approx(1.5)
+    assert ctrl.relative_cost(2) is None  # never run: no cost is assumed, and it is never chosen
+    for _ in range(7):
+        _feed(ctrl, 3, [3], 0.30)
+    for _ in range(20):
+        _feed(ctrl, 3, [3], 0.90)  # the machine slows down 3x while drafting 3
+    assert ctrl.step_time == pytest.approx(0.60, rel=0.1)  # the load scale follows every pass
+    assert ctrl.relative_cost(3) == pytest.approx(1.5, rel=0.1)  # the ratio stays
+    _feed(ctrl, 3, [3], 9.0)  # one pass hit by a stall
+    assert ctrl.relative_cost(3) == pytest.approx(1.5, rel=0.05)  # the median ignores it
+
+
+def test_a_draft_must_beat_plain_steps_by_the_margin():
+    ctrl = DraftLengthController(1, probe_every=1000)
+    _feed(ctrl, 0, [0], 1.0)
+    for _ in range(50):
+        _feed(ctrl, 1, [0, 1, 1, 1, 1], 1.55)  # alpha ~ 0.8: 1.8 tokens for 1.55 steps, 16 % more per second
+    assert ctrl.best() == 1
+    tight = DraftLengthController(1, probe_every=1000)
+    _feed(tight, 0, [0], 1.0)
+    for _ in range(50):
+        _feed(tight, 1, [0, 1, 1, 1, 1], 1.75)  # 1.8 tokens for 1.75 steps: 3 % more, within the noise
+    assert tight.best() == 0
+
+
+def test_catch_up_is_measured_apart_and_counted_against_the_next_draft():
+    ctrl = DraftLengthController(2, probe_every=1000)
+    _feed(ctrl, 0, [0], 1.0)
+    acc = torch.tensor([2, 2])
+    for _ in range(10):  # each pass spends 0.5 s catching up on 10 slots; its own cost is 1.2 s
+        ctrl.update(2, torch.tensor([2, 2]), acc + 1, torch.tensor([True, True]), 1.7, False, 0.5, 10)
+    assert ctrl.relative_cost(2) == pytest.approx(1.2, rel=1e-3)
+    assert ctrl.catchup_cost(10) == pytest.approx(0.5, rel=1e-3)
+    assert ctrl.best(pending_slots=0) == 2
+    assert ctrl.best(pending_slots=100) == 0  # 5 steps of catch-up eat the gain of the next draft
 
 
 def test_tree_controller_chooses_between_tree_and_plain():
@@ -130,7 +168,7 @@ class _ScriptedController(DraftLengthController):
 
     script = [4, 0, 2, 1, 4, 3, 0, 0, 4]
 
-    def choose(self, limit):
+    def choose(self, limit, pending_slots=0):
         k = self.script[self.passes % len(self.script)]
         self.passes_chosen = getattr(self, "passes_chosen", []) + [min(k, limit)]
         return max(min(k, limit), 0)
@@ -200,8 +238,8 @@ def test_lookup_is_taken_instead_of_plain_steps_only_while_it_pays():
     _feed(ctrl, 0, [0], 1.0)  # plain step: 1 token per second
     assert ctrl.use_lookup()  # lookup not measured yet: try it
     ctrl.update(0, torch.tensor([4]), torch.tensor([1]), torch.tensor([True]), 1.5, lookup=True)
-    assert ctrl.cost[0] == 1.0  # measured apart from plain steps
-    assert ctrl.lookup_tokens == 1.0 and ctrl.lookup_cost == 1.5
+    assert ctrl.step_time == 1.0 and list(ctrl.relative) == []  # measured apart from plain steps and drafts
+    assert ctrl.lookup_tokens == 1.0 and list(ctrl.lookup_relative) == [1.5]
     # 1 token in 1.5 s loses to plain steps: refused, except for probes at gaps that double (5, 10, 20, ...).
     answers = [ctrl.use_lookup() for _ in range(40)]
     assert [i + 2 for i, a in enumerate(answers) if a] == [5, 15, 35], answers  # match numbers 5, 5+10, 15+20
@@ -213,7 +251,7 @@ def test_lookup_is_taken_instead_of_plain_steps_only_while_it_pays():
 class _PlainThenLookup(DraftLengthController):
     """Always asks for a plain step and always takes a lookup copy when there is one."""
 
-    def choose(self, limit):
+    def choose(self, limit, pending_slots=0):
         return 0
 
     def use_lookup(self):

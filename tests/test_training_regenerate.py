@@ -23,8 +23,9 @@ def target(tokenizer):
 
 
 def read_jsonl(path):
+    """The lines of a regenerated file in source order (batches are written in length-bucketed order)."""
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["source_index"])
 
 
 RECORDS = [
@@ -130,14 +131,14 @@ def test_resume_reproduces_uninterrupted_run(target, tokenizer, tmp_path):
     regenerate(target, tokenizer, records[:2], other, **{**kwargs, "seed": 4})
     assert not reference.startswith(other.read_bytes())  # the seed matters
 
-    # Interrupted after the first batch.
+    # Killed after the first batch: the file holds its two lines.
+    lines = reference.split(b"\n")
     half = tmp_path / "half.jsonl"
-    assert regenerate(target, tokenizer, records[:2], half, **kwargs) == 2
+    half.write_bytes(b"\n".join(lines[:2]) + b"\n")
     assert regenerate(target, tokenizer, records, half, **kwargs) == len(records) - 2
     assert half.read_bytes() == reference
 
-    # Interrupted while writing a line in the middle of a batch (truncated last line).
-    lines = reference.split(b"\n")
+    # Killed while writing a line in the middle of a batch (truncated last line).
     cut = tmp_path / "cut.jsonl"
     cut.write_bytes(b"\n".join(lines[:3]) + b"\n" + lines[3][: len(lines[3]) // 2])
     messages = []
@@ -149,7 +150,47 @@ def test_resume_reproduces_uninterrupted_run(target, tokenizer, tmp_path):
     assert regenerate(target, tokenizer, records, full, **kwargs) == 0
     assert full.read_bytes() == reference
     assert regenerate(target, tokenizer, records[:2], full, **{**kwargs, "resume": False}) == 2
-    assert reference.startswith(full.read_bytes()) and len(full.read_bytes()) < len(reference)
+    assert len(read_jsonl(full)) == 2
+
+
+def test_batches_are_bucketed_by_prompt_length(target, tokenizer, tmp_path):
+    records = [{"prompt": "word " * n} for n in (30, 1, 29, 2, 31, 3)]
+    seen = []
+    original = target.generate
+
+    def spy(**kwargs):
+        seen.append(kwargs["attention_mask"].sum(1).tolist())
+        return original(**kwargs)
+
+    target.generate = spy
+    try:
+        regenerate(target, tokenizer, records, tmp_path / "b.jsonl", max_new_tokens=2, batch_size=3, progress=False)
+        short_first = list(seen)
+        seen.clear()
+        regenerate(
+            target, tokenizer, records, tmp_path / "f.jsonl", max_new_tokens=2, batch_size=3, progress=False,
+            bucket_by_length=False,
+        )  # fmt: skip
+    finally:
+        del target.generate
+    assert max(short_first[0]) < min(short_first[1])  # the three short prompts together, then the long ones
+    assert max(seen[0]) > min(seen[1])  # file order mixes them
+    lines = read_jsonl(tmp_path / "b.jsonl")
+    assert [r["source_index"] for r in lines] == list(range(6))
+    assert all(r["answer_tokens"] == 2 and r["finished"] is False for r in lines)  # cut by max_new_tokens
+
+
+def test_prompts_longer_than_the_context_are_skipped_or_truncated(tokenizer, tmp_path):
+    small = tiny_target("llama", seed=0, vocab=len(tokenizer), layers=2)
+    small.config.max_position_embeddings = 64
+    records = [{"prompt": "Hello there"}, {"prompt": "word " * 80}]
+    messages = []
+    out = tmp_path / "r.jsonl"
+    assert regenerate(small, tokenizer, records, out, max_new_tokens=4, progress=False, log=messages.append) == 1
+    assert [r["source_index"] for r in read_jsonl(out)] == [0]
+    assert any("Skipping 1 of 2" in m and "truncate_left" in m for m in messages)
+    out2 = tmp_path / "t.jsonl"
+    assert regenerate(small, tokenizer, records, out2, max_new_tokens=4, progress=False, truncate_left=True) == 2
 
 
 def test_text_and_token_records_raise(target, tokenizer, tmp_path):

@@ -24,7 +24,7 @@ import inspect
 import random
 import re
 
-__all__ = ["chat_training_prompts", "passages", "check_disjoint", "benchmark_texts"]
+__all__ = ["chat_training_prompts", "passages", "check_disjoint", "overlap_checker", "benchmark_texts"]
 
 _TOPICS = (
     "volcanoes",
@@ -470,15 +470,22 @@ def _shingles(text: str, n: int) -> set[tuple[str, ...]]:
     return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
-def check_disjoint(prompts: list[str], references: list[str], n: int = 12) -> list[int]:
-    """Indices of ``prompts`` that share an ``n``-word span (or are equal, for shorter texts) with a reference."""
+def overlap_checker(references: list[str], n: int = 12):
+    """A predicate ``overlaps(text)``: whether ``text`` shares an ``n``-word span with a reference (or equals one,
+    for shorter texts). The references' spans are computed once."""
     ref_shingles: set[tuple[str, ...]] = set()
     ref_exact = set()
     for r in references:
         ref_shingles |= _shingles(r, n)
         ref_exact.add(" ".join(re.findall(r"\w+", r.lower())))
-    bad = []
-    for i, p in enumerate(prompts):
-        if " ".join(re.findall(r"\w+", p.lower())) in ref_exact or _shingles(p, n) & ref_shingles:
-            bad.append(i)
-    return bad
+
+    def overlaps(text: str) -> bool:
+        return " ".join(re.findall(r"\w+", text.lower())) in ref_exact or bool(_shingles(text, n) & ref_shingles)
+
+    return overlaps
+
+
+def check_disjoint(prompts: list[str], references: list[str], n: int = 12) -> list[int]:
+    """Indices of ``prompts`` that share an ``n``-word span (or are equal, for shorter texts) with a reference."""
+    overlaps = overlap_checker(references, n)
+    return [i for i, p in enumerate(prompts) if overlaps(p)]

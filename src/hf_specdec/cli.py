@@ -40,14 +40,19 @@ def _load_target(args):
 
 
 def _regenerate(args) -> int:
-    from .training.data import load_records
     from .training.regenerate import regenerate
+    from .training.sources import load_prompt_source
 
+    hub_kwargs = {"name": args.data_config} if args.data_config else {}
+    try:
+        records = load_prompt_source(args.data, split=args.split, limit=args.limit, **hub_kwargs)
+    except ImportError as err:  # `datasets` missing: one line saying what to install
+        raise SystemExit(str(err)) from None
     target, tokenizer = _load_target(args)
     written = regenerate(
         target,
         tokenizer,
-        load_records(args.data),
+        records,
         args.output,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -55,6 +60,7 @@ def _regenerate(args) -> int:
         batch_size=args.batch_size,
         resume=not args.no_resume,
         seed=args.seed,
+        truncate_left=args.truncate_left,
     )
     print(f"wrote {written} regenerated records to {args.output}")
     return 0
@@ -748,7 +754,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--k", type=int, default=None, help="draft tokens per step (default: the drafter's)")
-    p.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed passes over the prompts (3: the fewest that give a verdict)"
+    )
     p.add_argument("--out", default=".", help="folder for demo_report.json / .png")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument(
@@ -840,7 +848,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--batch-size", type=int, nargs="+", default=[1])
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed passes over the prompts; each gives one speedup per method, and a verdict (faster / within noise "
+        "/ slower than plain) needs at least 3",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--out", default="bench-results")
@@ -907,9 +921,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--card-only", default=None, metavar="PATH", help="only write the card to PATH, upload nothing")
     p.set_defaults(func=_push)
 
-    p = sub.add_parser("regenerate", help="self-distillation: let the target answer the prompts of a JSONL file")
+    p = sub.add_parser("regenerate", help="self-distillation: let the target answer the prompts of a data set")
     _add_target_args(p)
-    p.add_argument("--data", required=True, help="JSONL of chat (messages) or prompt records")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="a .jsonl/.json/.parquet file, dataset folder or Hub dataset id; rows in OpenAI (messages), ShareGPT "
+        "(conversations), Alpaca (instruction/input/output) or prompt format",
+    )
+    p.add_argument("--data-config", default=None, help="configuration name of a Hub dataset")
+    p.add_argument("--split", default="train", help="split of a Hub dataset (a local file is the train split)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N rows")
+    p.add_argument(
+        "--truncate-left",
+        action="store_true",
+        help="keep the last tokens of a prompt too long for the target's context instead of skipping it",
+    )
     p.add_argument("--output", required=True, help="output JSONL (appended to; resumable)")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -14,9 +14,16 @@ large batch on a compute-bound device.
 
 * ``alpha_d`` is counted per depth over every row of every pass that drafted that deep, with exponential forgetting
   (``decay`` per pass) so that the estimate follows the text (code after prose, a repetitive passage...).
-* ``t(K)`` is the measured wall time of passes that drafted ``K`` tokens (exponential moving average). Pass times
-  of draft lengths not yet tried are interpolated linearly between tried ones (extrapolated with the slope of the
-  nearest two, or a 10 % per token prior when only one is known).
+* ``t(K)`` is measured, never assumed: each pass's wall time is kept relative to the current time of a plain step
+  (a moving average that every pass updates), and a length's cost is the median of its recent relative times. The
+  machine's load changes every length's time alike, so the ratios, and the decision, survive a machine that slows
+  down or speeds up several-fold; the median ignores a pass hit by a one-off stall. A length that was never run
+  has no cost and is not chosen; probes measure it.
+* A draft must be expected to beat a plain step by ``margin`` (5 %) to be chosen, so noise around break-even
+  (a weak drafter, whose one-token draft at best pays for its wider pass) decodes plainly.
+* After plain steps the drafter must catch up on the slots it did not see before it can draft. That time is
+  measured apart (per slot, relative to a plain step) and counted against the next draft, so the loop does not
+  flip to drafting for a gain the catch-up eats.
 * To learn, the controller tries ``K = 0`` once early (the plain-step cost), and then, now and then, a draft length
   next to the current best (hill climbing), so a length that was underestimated gets measured. The first probe comes
   after ``probe_every`` passes; while probes do not change the best choice, the gap between them doubles (up to
@@ -40,7 +47,8 @@ bit-reproducible run to run with the adaptive length; pass ``draft_length="fixed
 
 from __future__ import annotations
 
-import math
+import statistics
+from collections import deque
 
 import torch
 
@@ -57,7 +65,10 @@ class DraftLengthController:
         k_max: the longest chain to draft (``num_assistant_tokens``), or for trees the tree's node count.
         tree: whether the proposal is a tree (then the arms are ``{0, k_max}``).
         decay: forgetting factor per pass for the acceptance counts and tokens-per-pass of trees.
-        cost_smoothing: weight of a new measurement in a pass time's moving average.
+        cost_smoothing: weight of a new measurement in the moving average of the plain-step time (the load scale).
+        window: recent relative pass times kept per draft length; their median is the length's cost.
+        margin: how much more a draft must be expected to commit per second than a plain step before it is taken
+            (0.05: 5 % more), so that measurement noise does not make the loop draft where drafting breaks even.
         probe_every: passes before the first probe of a neighbouring draft length (and the gap after a change).
         max_probe_gap: the longest gap between two probes.
     """
@@ -67,16 +78,21 @@ class DraftLengthController:
         k_max: int,
         tree: bool = False,
         decay: float = 0.97,
-        cost_smoothing: float = 0.3,
+        cost_smoothing: float = 0.5,
+        window: int = 8,
+        margin: float = 0.05,
         probe_every: int = 12,
         max_probe_gap: int = 192,
     ):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}.")
+        if margin < 0:
+            raise ValueError(f"margin must be >= 0, got {margin}.")
         self.k_max = int(k_max)
         self.tree = bool(tree)
         self.decay = float(decay)
         self.smoothing = float(cost_smoothing)
+        self.margin = float(margin)
         self.probe_every = int(probe_every)
         self.max_probe_gap = max(int(max_probe_gap), self.probe_every)
         self._probe_gap = self.probe_every
@@ -85,12 +101,16 @@ class DraftLengthController:
         self.reached = [0.0] * (self.k_max + 1)  # index d: rows that drafted token d after accepting d - 1
         self.accepted = [0.0] * (self.k_max + 1)
         self.tree_tokens: float | None = None  # tokens committed per row per tree pass (moving average)
-        self.cost: dict[int, float] = {}
+        self.step_time: float | None = None  # seconds of a plain step now (moving average): the load scale
+        self.relative: dict[int, deque] = {}  # draft length -> recent pass times in plain steps
+        self._unscaled: dict[int, list[float]] = {}  # pass times measured before any plain step
+        self.catchup: deque = deque(maxlen=window)  # catch-up seconds per slot, in plain steps
+        self.window = int(window)
         self.passes = 0
         self._probe_side = 1
         self.last_choice: int | None = None
         self.lookup_tokens: float | None = None  # tokens committed per row per lookup-only pass (moving average)
-        self.lookup_cost: float | None = None  # seconds of a lookup-only pass (moving average)
+        self.lookup_relative: deque = deque(maxlen=window)  # lookup-only pass times in plain steps
         self._lookup_matches = 0
         self._lookup_gap = self.probe_every
         self._lookup_next = self.probe_every
@@ -121,86 +141,91 @@ class DraftLengthController:
             total += p
         return total
 
-    def pass_time(self, k: int) -> float | None:
-        """Estimated seconds of a pass drafting ``k`` tokens (``None`` before any measurement)."""
-        if k in self.cost:
-            return self.cost[k]
-        if not self.cost:
+    def relative_cost(self, k: int) -> float | None:
+        """Measured time of a pass drafting ``k`` tokens, in plain steps (the median of its recent passes; a plain
+        step is 1 by definition); ``None`` while not measured: no draft length's cost is assumed."""
+        if self.step_time is None:
             return None
-        known = sorted(self.cost)
-        lower = [x for x in known if x < k]
-        upper = [x for x in known if x > k]
-        if lower and upper:
-            a, b = lower[-1], upper[0]
-            w = (k - a) / (b - a)
-            return self.cost[a] * (1 - w) + self.cost[b] * w
-        side = lower if lower else upper
-        if len(side) >= 2:
-            a, b = (side[-2], side[-1]) if lower else (side[0], side[1])
-            slope = max((self.cost[b] - self.cost[a]) / (b - a), 0.0)
-        else:
-            slope = 0.1 * self.cost[side[0]] / max(side[0] + 1, 1)
-        anchor = side[-1] if lower else side[0]
-        return max(self.cost[anchor] + slope * (k - anchor), 1e-9)
+        if k <= 0:
+            return 1.0
+        samples = self.relative.get(k)
+        return statistics.median(samples) if samples else None
+
+    def catchup_cost(self, slots: int) -> float:
+        """Time, in plain steps, the drafter needs to catch up on ``slots`` verified slots it has not seen (after
+        plain steps), from measured catch-ups (0 before any)."""
+        return statistics.median(self.catchup) * slots if self.catchup and slots else 0.0
+
+    def rate(self, k: int, pending_slots: int = 0) -> float | None:
+        """Expected tokens per plain-step time of a pass drafting ``k`` (a plain step: 1), the catch-up on
+        ``pending_slots`` counted against drafting; ``None`` while ``k``'s cost is not measured."""
+        cost = self.relative_cost(k)
+        if cost is None:
+            return None
+        if k > 0:
+            cost += self.catchup_cost(pending_slots)
+        return self.expected_tokens(k) / cost
 
     def arms(self) -> list[int]:
         return [0, self.k_max] if self.tree else list(range(self.k_max + 1))
 
-    def best(self, limit: int | None = None) -> int:
-        """The draft length with the highest expected tokens per second (ties: the longer one)."""
+    def best(self, limit: int | None = None, pending_slots: int = 0) -> int:
+        """The measured draft length with the highest expected tokens per second (ties: the longer one); a draft
+        must beat a plain step by ``margin`` to be chosen."""
         limit = self.k_max if limit is None else min(limit, self.k_max)
-        best_k, best_rate = None, -math.inf
+        if self.step_time is None and not self._unscaled:
+            return limit  # nothing measured yet: draft
+        best_k, best_rate = 0, 1.0 + self.margin
         for k in self.arms():
-            if k > limit:
-                continue
-            t = self.pass_time(k)
-            if t is None:
-                return limit  # nothing measured yet: draft
-            rate = self.expected_tokens(k) / t
-            if rate >= best_rate:
+            rate = self.rate(k, pending_slots) if 0 < k <= limit else None
+            if rate is not None and rate >= best_rate:
                 best_k, best_rate = k, rate
-        return best_k if best_k is not None else 0
+        return best_k
 
-    # ------------------------------------------------------------------ the two calls the loop makes
-    def choose(self, limit: int) -> int:
-        """The draft length of the next pass, at most ``limit`` (the tokens left before the length limit)."""
+    # ------------------------------------------------------------------ the calls the loop makes
+    def choose(self, limit: int, pending_slots: int = 0) -> int:
+        """The draft length of the next pass, at most ``limit`` (the tokens left before the length limit);
+        ``pending_slots``: verified slots the drafter has not seen yet (it catches up before drafting)."""
         limit = min(limit, self.k_max)
         if limit <= 0:
             return 0
         if self.tree and limit < self.k_max:
             limit = self.k_max  # the loop caps tree passes itself; the tree arm stays the tree
         n = self.passes
-        if 0 not in self.cost and n == 1:
+        if self.step_time is None and n >= 1:
             choice = 0  # learn what a plain step costs
         else:
-            choice = self.best(limit)
+            choice = self.best(limit, pending_slots)
             if choice != self._last_best:  # the estimates moved: look around again soon
                 self._last_best = choice
                 self._probe_gap = self.probe_every
-                self._next_probe = min(self._next_probe, n + self.probe_every)
+                self._next_probe = min(self._next_probe, n + max(self.probe_every // 4, 1))
             if n > 1 and n >= self._next_probe:
                 self._probe_gap = min(2 * self._probe_gap, self.max_probe_gap)
                 self._next_probe = n + self._probe_gap
-                arms = [k for k in self.arms() if k <= limit]
-                i = arms.index(choice) if choice in arms else 0
-                j = min(max(i + self._probe_side, 0), len(arms) - 1)
-                if j == i:
-                    j = min(max(i - self._probe_side, 0), len(arms) - 1)
-                self._probe_side = -self._probe_side
-                choice = arms[j]
+                choice = self._neighbour(choice, limit)
         self.last_choice = choice
         return choice
 
+    def _neighbour(self, choice: int, limit: int) -> int:
+        """A probe: the draft length next to ``choice`` (alternating sides), so that its cost gets measured."""
+        arms = [k for k in self.arms() if k <= limit]
+        i = arms.index(choice) if choice in arms else 0
+        j = min(max(i + self._probe_side, 0), len(arms) - 1)
+        if j == i:
+            j = min(max(i - self._probe_side, 0), len(arms) - 1)
+        self._probe_side = -self._probe_side
+        return arms[j]
+
     def use_lookup(self) -> bool:
         """Whether a pass for which :meth:`choose` gave ``0`` should verify prompt-lookup copies instead (asked only
-        when some row has a match): yes while lookup passes commit more tokens per second than plain steps, when
-        either is not measured yet, and now and then to notice that it started paying (after ``probe_every``
-        matches, then at gaps that double while it keeps losing, up to ``max_probe_gap``)."""
+        when some row has a match): yes while lookup passes commit more tokens per second than plain steps by
+        ``margin``, when either is not measured yet, and now and then to notice that it started paying (after
+        ``probe_every`` matches, then at gaps that double while it keeps losing, up to ``max_probe_gap``)."""
         self._lookup_matches += 1
-        plain = self.cost.get(0)
-        if self.lookup_cost is None or self.lookup_tokens is None or plain is None:
+        if not self.lookup_relative or self.lookup_tokens is None or self.step_time is None:
             return True
-        if self.lookup_tokens / self.lookup_cost > 1.0 / plain:
+        if self.lookup_tokens / statistics.median(self.lookup_relative) > 1.0 + self.margin:
             self._lookup_gap = self.probe_every
             self._lookup_next = self._lookup_matches + self.probe_every
             return True
@@ -218,27 +243,58 @@ class DraftLengthController:
         active: torch.Tensor,
         seconds: float,
         lookup: bool = False,
+        catchup_seconds: float = 0.0,
+        catchup_slots: int = 0,
     ):
         """Records a pass: ``k`` asked for, per-row ``drafted`` tokens and ``committed`` tokens, which rows were
         still generating (``active``), and the pass's wall time. ``lookup``: the pass verified prompt-lookup copies
-        in place of the plain step ``k = 0`` (measured apart from plain steps)."""
+        in place of the plain step ``k = 0`` (measured apart from plain steps). ``catchup_seconds``: the part of
+        ``seconds`` the drafter spent catching up on ``catchup_slots`` slots of earlier plain steps (measured apart,
+        so a draft length's cost is its own)."""
         self.passes += 1
+        seconds = max(seconds - catchup_seconds, 1e-9)
+        act = active.bool().cpu()
         if lookup:
-            act = active.bool().cpu()
             if bool(act.any()):
                 mean = float(committed.cpu()[act].float().mean())
                 s = self.smoothing
                 self.lookup_tokens = mean if self.lookup_tokens is None else (1 - s) * self.lookup_tokens + s * mean
-                self.lookup_cost = seconds if self.lookup_cost is None else (1 - s) * self.lookup_cost + s * seconds
+            self._record_time(None, seconds)
             return
-        self.cost[k] = seconds if k not in self.cost else (1 - self.smoothing) * self.cost[k] + self.smoothing * seconds
-        if k <= 0:
+        self._record_time(k, seconds)
+        if catchup_slots and self.step_time is not None:
+            self.catchup.append(catchup_seconds / catchup_slots / self.step_time)
+        if k <= 0 or not bool(act.any()):
             return
-        act = active.bool().cpu()
-        if not bool(act.any()):
+        self._record_acceptance(drafted.cpu()[act].tolist(), committed.cpu()[act].tolist())
+
+    def _record_time(self, k: int | None, seconds: float) -> None:
+        """Pass times are kept relative to the current plain-step time (``step_time``), which every pass updates:
+        when the machine slows down or speeds up, every length's time moves with it and the ratios stay."""
+        if self.step_time is None and k != 0:
+            self._unscaled.setdefault(k, []).append(seconds)  # converted once a plain step is measured
             return
-        drafted = drafted.cpu()[act].tolist()
-        committed = committed.cpu()[act].tolist()
+        if k == 0:
+            s = self.smoothing
+            self.step_time = seconds if self.step_time is None else (1 - s) * self.step_time + s * seconds
+            for arm, times in self._unscaled.items():
+                for t in times:
+                    self._keep(arm, t / self.step_time)
+            self._unscaled.clear()
+            return
+        known = self.relative.get(k) if k is not None else self.lookup_relative
+        if known:  # the load scale moves first, so a slower machine is not read as a dearer draft length
+            s = self.smoothing
+            self.step_time = (1 - s) * self.step_time + s * seconds / statistics.median(known)
+        self._keep(k, seconds / self.step_time)
+
+    def _keep(self, k: int | None, relative: float) -> None:
+        if k is None:
+            self.lookup_relative.append(relative)
+        else:
+            self.relative.setdefault(k, deque(maxlen=self.window)).append(relative)
+
+    def _record_acceptance(self, drafted: list[int], committed: list[int]) -> None:
         if self.tree:
             mean = sum(committed) / len(committed)
             self.tree_tokens = (

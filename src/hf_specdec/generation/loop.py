@@ -698,11 +698,14 @@ def speculative_generate(
         active = ~out.finished
         lengths = out.lengths
         limit = out.remaining() - 1  # a pass never drafts past the length limit
-        k = min(k_max, limit) if ctrl is None else ctrl.choose(limit)
+        pending_slots = sum(p.next_token_ids.shape[1] for p in pending)
+        k = min(k_max, limit) if ctrl is None else ctrl.choose(limit, pending_slots)
         t0 = stats.clock()
+        catchup_s, catchup_slots = 0.0, 0
         if k > 0 and pending:
             drafter.observe(state, _merge_inputs(pending))
             pending.clear()
+            catchup_s, catchup_slots = stats.clock() - t0, pending_slots
         lookup_pass = False
         if k <= 0:
             proposal = Proposal(tokens=seq.new_empty(bsz, 0))
@@ -789,7 +792,9 @@ def speculative_generate(
         del hidden, logits
         t4 = stats.add("draft_s", t3)
         if ctrl is not None:
-            ctrl.update(k, drafted, committed, ~finished_before, t4 - t0, lookup=lookup_pass)
+            ctrl.update(
+                k, drafted, committed, ~finished_before, t4 - t0, lookup_pass, catchup_s, catchup_slots
+            )
         step += 1
 
     if streamer is not None:

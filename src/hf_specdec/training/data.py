@@ -294,10 +294,10 @@ def _search_turn(full: str, segment: str, content: str, cursor: int) -> tuple[in
     return pos, end
 
 
-def _offsets_mask(
-    tokenizer: Any, text: str, spans: Sequence[tuple[int, int]], add_special_tokens: bool
-) -> tuple[list[int], list[int]] | None:
-    """Tokenises ``text`` and marks tokens whose character span overlaps a span; ``None`` without offset support."""
+def _encode_with_offsets(
+    tokenizer: Any, text: str, add_special_tokens: bool
+) -> tuple[list[int], list[tuple[int, int]]] | None:
+    """``(ids, character offsets)`` of ``text``; ``None`` for a tokenizer without offset support."""
     if getattr(tokenizer, "is_fast", True) is False:
         return None
     try:
@@ -307,11 +307,58 @@ def _offsets_mask(
     offsets = enc.get("offset_mapping") if isinstance(enc, Mapping) else None
     if offsets is None:
         return None
-    ids = [int(t) for t in enc["input_ids"]]
-    mask = []
-    for s, e in offsets:
-        # Zero-width tokens (specials inserted by the tokenizer, e.g. BOS) are never targets.
-        mask.append(int(e > s and any(s < b and e > a for a, b in spans)))
+    return [int(t) for t in enc["input_ids"]], [(int(s), int(e)) for s, e in offsets]
+
+
+def _split_straddling(
+    tokenizer: Any, text: str, ids: list[int], offsets: list[tuple[int, int]], spans: Sequence[tuple[int, int]]
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Re-tokenises, side by side, every token that straddles a span boundary.
+
+    Whole-text BPE can merge the header's last character with the answer's first: SmolLM2 tokenises
+    ``"<|im_start|>assistant\\n"`` + ``"  Paris."`` as ``... 'istant' 'ĊĠ' 'ĠParis' ...``, a token that belongs to
+    both, so no mask is right for it. At inference the prompt ends with the header's own tokens and the target
+    generates the answer's, so each side is tokenised on its own. The token stays whole when the sides do not decode
+    back to the same text (tokenizers that put a prefix space before every call).
+    """
+    cuts = sorted({c for span in spans for c in span})
+    new_ids: list[int] = []
+    new_offsets: list[tuple[int, int]] = []
+    changed = False
+    for token, (s, e) in zip(ids, offsets):
+        inner = [c for c in cuts if s < c < e]
+        bounds = list(zip([s] + inner, inner + [e])) if inner else []
+        pieces = [_encode_with_offsets(tokenizer, text[a:b], False) for a, b in bounds]
+        if not pieces or any(p is None for p in pieces):
+            new_ids.append(token)
+            new_offsets.append((s, e))
+            continue
+        for (start, _), (piece_ids, piece_offsets) in zip(bounds, pieces):
+            new_ids.extend(piece_ids)
+            new_offsets.extend((start + a, start + b) for a, b in piece_offsets)
+        changed = True
+    if not changed:
+        return ids, offsets
+
+    def decode(x: list[int]) -> str:
+        return tokenizer.decode(x, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    return (new_ids, new_offsets) if decode(new_ids) == decode(ids) else (ids, offsets)
+
+
+def _offsets_mask(
+    tokenizer: Any, text: str, spans: Sequence[tuple[int, int]], add_special_tokens: bool
+) -> tuple[list[int], list[int]] | None:
+    """Tokenises ``text`` and marks tokens whose character span overlaps a span; ``None`` without offset support.
+
+    No token crosses a span boundary (see :func:`_split_straddling`), so a marked token lies inside a span.
+    """
+    encoded = _encode_with_offsets(tokenizer, text, add_special_tokens)
+    if encoded is None:
+        return None
+    ids, offsets = _split_straddling(tokenizer, text, *encoded, spans)
+    # Zero-width tokens (specials inserted by the tokenizer, e.g. BOS) are never targets.
+    mask = [int(e > s and any(s < b and e > a for a, b in spans)) for s, e in offsets]
     return ids, mask
 
 
@@ -383,7 +430,9 @@ def tokenize_record(record: Mapping[str, Any], tokenizer: Any, max_length: int |
       whitespace after the end-of-turn marker, or anything from system/user turns. The conversation is rendered with
       ``tokenizer.apply_chat_template(..., tokenize=False)`` and tokenised without adding special tokens (templates
       include their own BOS); the mask comes from character offsets, so it is exact for any template that renders
-      each assistant turn as header + content + terminator. Requires a chat template.
+      each assistant turn as header + content + terminator. A token that whole-text tokenisation would merge across
+      the header/answer boundary (e.g. the header's ``"\\n"`` with an answer's leading space) is tokenised as its two
+      sides instead, as the target sees them at inference. Requires a chat template.
     * prompt/response: with a chat template, the conversation ``[user: prompt, assistant: response]``; without one,
       ``prompt + response`` (tokenised as one text, with the tokenizer's special tokens) followed by EOS when the
       tokenizer has one; the loss covers the response tokens and that EOS. A record without ``response`` gets an

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -105,6 +106,71 @@ def _read_done(path: str, log: Callable[[str], Any]) -> set[int]:
     return done
 
 
+def _context_length(target: nn.Module) -> int | None:
+    return getattr(getattr(target, "config", None), "max_position_embeddings", None)
+
+
+def _too_long(encoded: list[list[int]], max_new_tokens: int, target: nn.Module, truncate_left: bool) -> set[int]:
+    """Indices of prompts with no room for ``max_new_tokens`` in the target's context (none when truncating)."""
+    limit = _context_length(target)
+    if limit is None or truncate_left:
+        return set()
+    return {i for i, ids in enumerate(encoded) if len(ids) + max_new_tokens > limit}
+
+
+def _clip(ids: list[int], max_new_tokens: int, target: nn.Module) -> list[int]:
+    limit = _context_length(target)
+    if limit is None or len(ids) + max_new_tokens <= limit:
+        return ids
+    keep = limit - max_new_tokens
+    if keep < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} does not fit the target's context of {limit} positions.")
+    return ids[-keep:]
+
+
+def _batches(indices: list[int], lengths: list[int], batch_size: int, bucket_by_length: bool) -> list[list[int]]:
+    order = sorted(indices, key=lambda i: lengths[i]) if bucket_by_length else list(indices)
+    return [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
+
+
+def _end_ids(tokenizer) -> list[int]:
+    """EOS plus the chat template's end-of-turn token when the vocabulary has one (e.g. ``<|im_end|>``)."""
+    ends = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for name in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>"):
+        tid = tokenizer.convert_tokens_to_ids(name) if name in tokenizer.get_vocab() else None
+        if tid is not None and tid not in ends:
+            ends.append(tid)
+    return ends
+
+
+def _generate_batch(
+    target: nn.Module, rows: list[list[int]], pad_id: int, end_ids: list[int], gen_kwargs: dict
+) -> list[tuple[list[int], bool]]:
+    """Left-padded ``generate`` over ``rows``; per row, the new tokens up to and including the first end token and
+    whether an end token came before ``max_new_tokens``."""
+    width = max(len(ids) for ids in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, ids in enumerate(rows):
+        if ids:
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids) :] = 1
+    device = next(target.parameters()).device
+    with torch.no_grad():
+        generated = target.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            pad_token_id=pad_id,
+            eos_token_id=end_ids or None,
+            **gen_kwargs,
+        )
+    answers = []
+    for row in generated[:, width:].cpu().tolist():
+        ends = [k for k, t in enumerate(row) if t in end_ids]
+        answers.append((row[: ends[0] + 1], True) if ends else (row, False))
+    return answers
+
+
 def regenerate(
     target: nn.Module,
     tokenizer,
@@ -118,6 +184,8 @@ def regenerate(
     seed: int = 0,
     progress: bool = True,
     log: Callable[[str], Any] | None = print,
+    bucket_by_length: bool = True,
+    truncate_left: bool = False,
 ) -> int:
     """Regenerates the responses of ``records`` with ``target`` and appends them to ``output_path`` (JSONL).
 
@@ -126,14 +194,19 @@ def regenerate(
     ``[user: prompt]`` with the chat template when the tokenizer has one, else the raw prompt text. Text and token
     records raise ``ValueError`` (checked for all records before anything is generated).
 
-    Records are generated in fixed, left-padded batches ``records[b * batch_size: (b + 1) * batch_size]``, greedily
-    when ``temperature == 0`` and otherwise by sampling with ``temperature``/``top_p``; torch is seeded with
+    Records are generated in left-padded batches of ``batch_size``: with ``bucket_by_length`` the records sorted by
+    prompt length (stable), so a batch holds prompts of similar length and pads little, else in file order. Decoding
+    is greedy when ``temperature == 0`` and otherwise samples with ``temperature``/``top_p``; torch is seeded with
     ``seed + b`` before batch ``b``, so a resumed run reproduces an uninterrupted one. New tokens are decoded with
-    ``skip_special_tokens=True``.
+    ``skip_special_tokens=True``. A row stops at EOS or at the chat template's end-of-turn token. A prompt that
+    leaves no room for ``max_new_tokens`` in the target's context (``max_position_embeddings``) is skipped and
+    counted in the log, or, with ``truncate_left``, cut to its last tokens.
 
     Output lines: chat records keep all their keys and messages, with the last assistant message replaced by
     ``{"role": "assistant", "content": generated}`` (appended when there was none); prompt records get
-    ``"response": generated``. Every line carries ``"regenerated": true`` and ``"source_index": i``.
+    ``"response": generated``. Every line carries ``"regenerated": true``, ``"source_index": i``,
+    ``"answer_tokens"`` (new tokens, end token included) and ``"finished"`` (whether the answer ended before
+    ``max_new_tokens``). The progress bar shows records and new tokens per second.
 
     Args:
         target: the target causal LM (used as is; put it in eval mode).
@@ -150,6 +223,8 @@ def regenerate(
         seed: base seed (batch ``b`` uses ``seed + b``).
         progress: show a tqdm progress bar.
         log: callable receiving status messages; ``None`` silences.
+        bucket_by_length: batch records of similar prompt length together (see above).
+        truncate_left: keep the last tokens of a prompt too long for the context instead of skipping it.
 
     Returns:
         The number of records written by this call.
@@ -188,59 +263,56 @@ def regenerate(
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         raise ValueError("The tokenizer has neither a pad token nor an EOS token to pad with.")
-    try:
-        device = next(target.parameters()).device
-    except StopIteration:
-        device = torch.device("cpu")
-    gen_kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "pad_token_id": pad_id}
+    gen_kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens}
     if temperature == 0:
         gen_kwargs["do_sample"] = False
     else:
         gen_kwargs.update(do_sample=True, temperature=float(temperature), top_p=float(top_p))
 
+    encoded = [tokenizer(text, add_special_tokens=not templated)["input_ids"] for text, templated in prompts]
+    too_long = _too_long(encoded, max_new_tokens, target, truncate_left)
+    if too_long:
+        log(
+            f"Skipping {len(too_long)} of {len(records)} records whose prompt leaves no room for {max_new_tokens} new "
+            f"tokens in the target's context ({_context_length(target)} positions), e.g. record {min(too_long)}; "
+            "pass truncate_left=True (--truncate-left) to keep their last tokens instead."
+        )
+    todo = [i for i in range(len(records)) if i not in too_long]
+    batches = _batches(todo, [len(ids) for ids in encoded], batch_size, bucket_by_length)
+
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(records), initial=len(done & set(range(len(records)))), unit="rec", desc="regenerate")
-    written = 0
-    old_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
+        bar = tqdm(total=len(todo), initial=len(done & set(todo)), unit="rec", desc="regenerate")
+    written = new_tokens_total = 0
+    started = time.perf_counter()
     try:
         with open(output_path, "a", encoding="utf-8") as out:
-            for b, start in enumerate(range(0, len(records), batch_size)):
-                batch = list(range(start, min(start + batch_size, len(records))))
+            for b, batch in enumerate(batches):
                 if all(i in done for i in batch):
                     continue
                 # The whole batch is generated even when part of it is done, so outputs match an uninterrupted run.
-                encoded = [tokenizer(prompts[i][0], add_special_tokens=not prompts[i][1])["input_ids"] for i in batch]
-                width = max(len(ids) for ids in encoded)
-                input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-                attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-                for row, ids in enumerate(encoded):
-                    if ids:
-                        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-                        attention_mask[row, width - len(ids) :] = 1
                 torch.manual_seed(seed + b)
-                with torch.no_grad():
-                    generated = target.generate(
-                        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **gen_kwargs
-                    )
-                new_tokens = generated[:, width:].cpu()
-                for row, i in enumerate(batch):
-                    if i in done:
-                        continue
-                    text = tokenizer.decode(new_tokens[row].tolist(), skip_special_tokens=True)
+                rows = [_clip(encoded[i], max_new_tokens, target) for i in batch]
+                answers = _generate_batch(target, rows, pad_id, _end_ids(tokenizer), gen_kwargs)
+                fresh = [(row, i) for row, i in enumerate(batch) if i not in done]
+                for row, i in fresh:
+                    ids, finished = answers[row]
+                    text = tokenizer.decode(ids, skip_special_tokens=True)
                     line = _output_record(records[i], kinds[i], text, i)
+                    line["answer_tokens"], line["finished"] = len(ids), finished
                     out.write(json.dumps(line, ensure_ascii=False) + "\n")
                     done.add(i)
                     written += 1
-                    if bar is not None:
-                        bar.update(1)
+                    new_tokens_total += len(ids)
                 out.flush()
                 os.fsync(out.fileno())
+                if bar is not None:
+                    bar.update(len(fresh))
+                    rate = new_tokens_total / max(time.perf_counter() - started, 1e-9)
+                    bar.set_postfix_str(f"{new_tokens_total} tok, {rate:.0f} tok/s")
     finally:
-        tokenizer.padding_side = old_side
         if bar is not None:
             bar.close()
     log(f"Regenerated {written} records into {output_path}.")
