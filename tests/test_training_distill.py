@@ -138,3 +138,18 @@ def _answers(tok, target, prompts):
                "source_index": i, "answer_tokens": len(tok(answer + "<|im_end|>")["input_ids"]), "finished": True}  # fmt: skip
         lines.append(json.dumps(rec))
     return lines
+
+
+def test_the_card_states_counts_sources_settings_and_the_command(tok, tmp_path, monkeypatch):
+    monkeypatch.setattr(distill, "benchmark_texts", lambda: [])
+    prompts = [f"Question about topic {w}?" for w in "abcd"]
+    out = tmp_path / "d"
+    index = build_distill_dataset(
+        ScriptedTarget(tok, prompts), tok, out, num_shards=1, shard_size=4, templated_share=0.0, max_new_tokens=16,
+        synth_batch_size=4, settings={"command": "python make_it.py --num-shards 1"}, log=lambda m: None,
+    )  # fmt: skip
+    card = (out / "README.md").read_text()
+    assert "| records | 4 in 1 shards of 4 prompts |" in card
+    assert f"| answer tokens | {index['answer_tokens']} " in card
+    assert "| synthesised by the target (Magpie" in card and "| 4 |" in card
+    assert "python make_it.py --num-shards 1" in card and "MiB" in card and "License" in card

@@ -47,6 +47,7 @@ __all__ = [
     "build_distill_dataset",
     "read_distill_dataset",
     "shard_path",
+    "dataset_card",
 ]
 
 _SENTINEL = "@@hf_specdec:user-turn@@"
@@ -323,9 +324,11 @@ def build_distill_dataset(
         )
         _summarise(index)
         _write_json_atomic(os.path.join(out_dir, INDEX), index)
+        _write_card(out_dir, index)
         log(f"shard {shard}: {index['shards'][str(shard)]['records']} records, total {index['answer_tokens']} tokens")
     _summarise(index)
     _write_json_atomic(os.path.join(out_dir, INDEX), index)
+    _write_card(out_dir, index)
     return index
 
 
@@ -392,3 +395,83 @@ def _summarise(index: dict) -> None:
         for k, v in s["sources"].items():
             sources[k] = sources.get(k, 0) + v
     index["sources"] = sources
+
+
+_SOURCE_NAMES = {
+    "magpie": "synthesised by the target (Magpie: it samples the user turn after its chat template's user prefix)",
+    "hf_specdec.chat_prompts": "hf_specdec's templated prompts (`hf_specdec.chat_prompts.chat_training_prompts`)",
+    "user": "the user's own records (`extra_records`)",
+}
+
+
+def dataset_card(index: dict, out_dir: str | os.PathLike | None = None) -> str:
+    """The data set's card (``README.md``): sources, counts, token totals, generation settings, license, size on
+    disk and the command that rebuilds it, all read from ``index``."""
+    st = index.get("settings", {})
+    shards = index.get("shards", {})
+    size = sum(os.path.getsize(shard_path(out_dir, int(s))) for s in shards) if out_dir is not None else None
+    finished = sum(s["finished"] for s in shards.values())
+    lines = [
+        "# Self-distillation data for SmolLM2-135M-Instruct drafters"
+        if "SmolLM2" in st.get("target", "")
+        else "# Self-distillation data",
+        "",
+        "Prompts and the target's own greedy answers, the data hf_specdec's drafters for this target are trained on "
+        "(a drafter learns the target's distribution best from text the target wrote). Made by "
+        "`hf_specdec.training.distill.build_distill_dataset`; rows are chat records "
+        '(`{"messages": [user, assistant], "source", "category", "answer_tokens", "finished"}`) that '
+        "`hf-specdec train --data` and `hf_specdec.training.distill.read_distill_dataset` read; the loss falls on "
+        "the assistant turn only.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| target | {st.get('target', '?')} |",
+        f"| records | {index.get('records', 0)} in {len(shards)} shards of {st.get('shard_size', '?')} prompts |",
+        f"| answer tokens | {index.get('answer_tokens', 0)} (end-of-turn tokens included) |",
+        f"| answers ended by the target | {finished} (the rest were cut at {st.get('max_new_tokens', '?')} tokens) |",
+    ]
+    if size is not None:
+        lines.append(f"| size on disk | {size / 2**20:.1f} MiB (gzip-compressed JSONL) |")
+    lines += [
+        f"| answers | {st.get('answers', 'greedy')}, {st.get('dtype', '?')}, at most {st.get('max_new_tokens', '?')} "
+        "new tokens, length-bucketed batches |",
+        f"| synthesis | {json.dumps(st.get('synthesis', {}))} |",
+        "",
+        "## Sources",
+        "",
+        "| source | records |",
+        "|---|---|",
+    ]
+    for name, count in sorted(index.get("sources", {}).items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {_SOURCE_NAMES.get(name, name)} | {count} |")
+    lines += [
+        "",
+        "Every prompt is deduplicated (lower-cased words) against all earlier prompts and shares no 12-word span with "
+        "a benchmark prompt (Spec-Bench, HumanEval, the demo prompts: `hf_specdec.chat_prompts.check_disjoint`).",
+        "",
+        "## License",
+        "",
+        "The answers and the synthesised prompts were written by the target model (SmolLM2-135M-Instruct is "
+        "Apache-2.0); the templated prompts are hf_specdec's (Apache-2.0) and quote paragraphs of the Python "
+        "standard library's docstrings and of installed packages' README files, under their own licenses (PSF, MIT, "
+        "BSD, Apache-2.0). Machine-written text: it can be wrong, and it is meant for training drafters of this "
+        "target, not as a source of facts.",
+        "",
+        "## Rebuild",
+        "",
+        "```bash",
+        st.get("command", "python scripts/build_smollm2_distill.py"),
+        "```",
+        "",
+        "The command is resumable: rerun it after an interruption and it continues inside the unfinished shard; a "
+        "larger `--num-shards` extends the data set. Per-shard counts are in `index.json`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _write_card(out_dir: str, index: dict) -> None:
+    tmp = os.path.join(out_dir, "README.md.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(dataset_card(index, out_dir))
+    os.replace(tmp, os.path.join(out_dir, "README.md"))

@@ -93,6 +93,8 @@ def train_drafter(
     eval_fraction: float = 0.05,
     resume: bool = False,
     lora: dict | None = None,
+    eval_features_dir: str | None = None,
+    max_train_examples: int | None = None,
 ) -> tuple[Any, dict]:
     """Trains a drafter for ``target`` and writes it (plus checkpoints and a training record) to ``args.output_dir``.
 
@@ -100,6 +102,10 @@ def train_drafter(
     of being recomputed every step; ``data`` is then not needed. With ``lora`` (e.g. ``{"r": 8, "lora_alpha": 16}``)
     the drafter is adapted with a LoRA adapter (peft) instead of trained in full: ``output_dir`` then holds the
     adapter, loaded with ``PeftModel.from_pretrained(base_drafter, output_dir)``.
+
+    ``eval_features_dir`` (offline only) is a separate dump that is the held-out set (``eval_fraction`` is then not
+    used), so runs on different amounts of training data are scored on the same examples; ``max_train_examples``
+    trains on the first N training examples only (a data-scaling run on a prefix of one dump).
 
     Returns:
         ``(drafter, training_record)``.
@@ -118,7 +124,14 @@ def train_drafter(
         dataset = OfflineFeatureDataset(features_dir)
         dataset.check_compatible(model.config)
         dataset.check_target(target, tokenizer)
-        train, held_out = _split_indices(dataset, eval_fraction, args.seed, split_train_eval)
+        if eval_features_dir:
+            train, held_out = dataset, OfflineFeatureDataset(eval_features_dir)
+            held_out.check_compatible(model.config)
+            held_out.check_target(target, tokenizer)
+        else:
+            train, held_out = _split_indices(dataset, eval_fraction, args.seed, split_train_eval)
+        if max_train_examples is not None:
+            train = torch.utils.data.Subset(train, range(min(max_train_examples, len(train))))
         pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
 
         def collate(items):
@@ -128,6 +141,8 @@ def train_drafter(
     else:
         if data is None:
             raise ValueError("Pass training data (a JSONL file) or an offline features directory.")
+        if eval_features_dir or max_train_examples is not None:
+            raise ValueError("eval_features_dir and max_train_examples apply to offline features (features_dir).")
         train, held_out, info = build_datasets(data, tokenizer, max_length, eval_fraction, args.seed)
     trainer = DrafterTrainer(model, target, args, train, held_out, collate_fn=collate, data_info=info)
     record = trainer.train(resume=resume)
