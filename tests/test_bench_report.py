@@ -79,24 +79,25 @@ def test_markdown_table_all_category(report):
     table = markdown_table(report)
     header = table.splitlines()[0]
     assert header == (
-        "| Method | Mode | Batch | tokens/s | Speedup | τ | α | c | Bound | Plain/lookup | Cache | Identical |"
+        "| Method | Mode | Batch | tokens/s | Speedup | Verdict | τ | α | c | Bound | Plain/lookup | Cache | Identical |"
     )
     rows = table_rows(table)
     assert len(rows) == 4
-    assert rows[0] == ["plain", "greedy", "1", "51.2", "1.00×", "1.00", "—", "—", "—", "—", "—", "yes"]
-    assert rows[1][:9] == ["eagle3:demo-eagle3", "greedy", "1", "83.0", "1.62×", "3.90", "0.82", "0.17", "5.50×"]
-    assert rows[1][9:] == ["25%/5%", "1.03", "yes"]  # shares of plain steps / lookup passes, cache over sequence
-    assert rows[2][0] == "prompt-lookup" and rows[2][3] == "—" and rows[2][8] == "—"
+    assert rows[0] == ["plain", "greedy", "1", "51.2", "1.00×", "—", "1.00", "—", "—", "—", "—", "—", "yes"]
+    # Records without per-repeat speedups (older reports): the pooled speedup, no verdict.
+    assert rows[1][:10] == ["eagle3:demo-eagle3", "greedy", "1", "83.0", "1.62×", "—", "3.90", "0.82", "0.17", "5.50×"]
+    assert rows[1][10:] == ["25%/5%", "1.03", "yes"]  # shares of plain steps / lookup passes, cache over sequence
+    assert rows[2][0] == "prompt-lookup" and rows[2][3] == "—" and rows[2][9] == "—"
     # Sampling: no stored bound, so min(1/c, 1/(1-α)) = min(5, 3.33); identical unknown.
     assert rows[3][1:3] == ["sampling T=0.7", "1"]
-    assert rows[3][8] == "3.33×" and rows[3][11] == "—"
+    assert rows[3][9] == "3.33×" and rows[3][12] == "—"
     assert "1.62×" in table and "—" in table
 
 
 def test_markdown_table_other_categories(report):
     rows = table_rows(markdown_table(report, "translation"))
     assert [r[0] for r in rows] == ["plain", "eagle3:demo-eagle3"]
-    assert rows[1][4:6] == ["1.80×", "—"] and rows[1][-1] == "no"
+    assert rows[1][4:7] == ["1.80×", "—", "—"] and rows[1][-1] == "no"
     table = markdown_table(report, None)
     assert table.splitlines()[0].startswith("| Method | Category | Mode |")
     assert len(table_rows(table)) == len(report["records"])

@@ -161,3 +161,25 @@ def test_config_overrides_of_a_fresh_drafter_are_parsed_and_checked():
         make_drafter(target, family, num_draft_tokenz=2)
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         _drafter_overrides(argparse.Namespace(config=["oops"]))
+
+
+def test_a_fixed_held_out_dump_and_a_training_prefix(workspace, tmp_path):
+    """Data-scaling runs: every size is scored on the same held-out dump, and trains on a prefix of one dump."""
+    from hf_specdec.training.recipes import train_drafter
+    from hf_specdec.training.trainer import DrafterTrainingArguments
+
+    root, target, tok = workspace
+    records = [{"messages": [{"role": "user", "content": "q" * i}, {"role": "assistant", "content": "ab" * i}]}
+               for i in range(1, 11)]  # fmt: skip
+    dataset = DrafterDataset.from_records(records, tok, max_length=64)
+    layers = Eagle3Config.for_target(target.config).target_layer_ids
+    kwargs = dict(dtype=torch.float32, batch_size=4, progress=False, log=lambda *a: None)
+    dump_features(target, [dataset[i] for i in range(7)], layers, tmp_path / "train", **kwargs)
+    dump_features(target, [dataset[i] for i in range(7, 10)], layers, tmp_path / "eval", **kwargs)
+    args = DrafterTrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, batch_size=2, report_to="none",
+                                    progress=False, eval_steps=1, save_steps=100)  # fmt: skip
+    _, record = train_drafter(target, tok, None, args, features_dir=str(tmp_path / "train"),
+                              eval_features_dir=str(tmp_path / "eval"), max_train_examples=4)  # fmt: skip
+    assert record["train_examples"] == 4 and record["eval_examples"] == 3
+    with pytest.raises(ValueError, match="offline features"):
+        train_drafter(target, tok, records, args, max_train_examples=4)

@@ -1,14 +1,19 @@
 """Benchmark reports: Markdown / console tables, a summary plot and the files written by a benchmark run.
 
-A report is a plain dict ``{"hardware": {...}, "config": {...}, "records": [...]}``. Each record describes one
-(method, mode, batch size, category) cell; category ``"all"`` aggregates every prompt. Record fields: ``method``,
-``kind`` (``"plain"`` / ``"drafter"`` / ``"prompt_lookup"``), ``mode`` (``"greedy"`` / ``"sampling"``),
+A report is a plain dict ``{"hardware": {...}, "config": {...}, "records": [...], "load": {...}}``. Each record
+describes one (method, mode, batch size, category) cell; category ``"all"`` aggregates every prompt. Record fields:
+``method``, ``kind`` (``"plain"`` / ``"drafter"`` / ``"prompt_lookup"``), ``mode`` (``"greedy"`` / ``"sampling"``),
 ``temperature``, ``batch_size``, ``category``, ``num_prompts``, ``new_tokens``, ``wall_s``, ``tokens_per_s``,
-``speedup``, ``mean_accepted_length`` (τ), ``acceptance_by_position``, ``alpha`` (α), ``draft_cost_ratio`` (c),
-``speedup_bound``, ``identical`` and, for greedy records, ``mismatches``, ``near_tie_mismatches``,
-``real_mismatches`` and ``identical_up_to_near_ties`` (see :mod:`hf_specdec.bench.runner`). Any numeric field may be
-``None`` (not measured / not applicable). The Identical column reads ``yes``, or ``no (N near-ties, M real)`` when
-outputs differ from plain greedy decoding.
+``speedup`` (pooled totals), ``speedup_by_repeat``, ``speedup_median``, ``speedup_min``, ``speedup_max``,
+``speedup_ci95``, ``verdict``, ``mean_accepted_length`` (τ), ``acceptance_by_position``, ``alpha`` (α),
+``draft_cost_ratio`` (c), ``speedup_bound``, ``identical`` and, for greedy records, ``mismatches``,
+``near_tie_mismatches``, ``real_mismatches`` and ``identical_up_to_near_ties`` (see :mod:`hf_specdec.bench.runner`).
+Any numeric field may be ``None`` (not measured / not applicable). ``load`` records the machine's load averages
+during the run (optional: older reports have none).
+
+Every table and the plot show the median of the per-repeat speedups where a record has one (else the pooled
+``speedup``, as for the baseline and older reports); the main table adds its 95 % interval and the verdict. The
+Identical column reads ``yes``, or ``no (N near-ties, M real)`` when outputs differ from plain greedy decoding.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ _COLUMNS = (
     "Batch",
     "tokens/s",
     "Speedup",
+    "Verdict",
     "τ",
     "α",
     "c",
@@ -141,9 +147,9 @@ def category_table(report: dict, mode: str = "greedy", batch_size: int = 1) -> s
 def save_plots(report: dict, path: str) -> str | None:
     """Draws the acceptance-by-position and speedup panels into one PNG.
 
-    Left: acceptance rate per draft position, one line per drafter record of category ``"all"``. Right: speedup of
-    every ``"all"`` record grouped by method, the speedup bound drawn as a hollow bar where known, and a dashed line
-    at 1.0 (plain decoding).
+    Left: acceptance rate per draft position, one line per drafter record of category ``"all"``. Right: speedup
+    (the median over repeats where known) of every ``"all"`` record grouped by method, the speedup bound drawn as a
+    hollow bar where known, and a dashed line at 1.0 (plain decoding).
 
     Args:
         report: The benchmark report.
@@ -197,7 +203,7 @@ def save_plots(report: dict, path: str) -> str | None:
             if _config_label(r) != config:
                 continue
             x = methods.index(str(r.get("method", DASH))) - 0.4 + width * (j + 0.5)
-            speed = _number(r.get("speedup"))
+            speed = _speedup(r)
             if speed is not None:
                 xs.append(x)
                 speeds.append(speed)
@@ -277,7 +283,13 @@ def _markdown_document(report: dict, records: list[dict], png_name: str) -> str:
     parts += [", ".join(hw), ""]
     if config:
         parts += ["**Config:** " + ", ".join(f"`{k}={v}`" for k, v in config.items()), ""]
+    load = _load_line(report.get("load"))
+    if load:
+        parts += [load, ""]
     parts += [
+        "Speedup: the median over repeats of each repeat's tokens/s over plain's in the same repeat and prompts, "
+        "[its 95 % interval: t-interval of the log-ratios]; Verdict: faster when the interval lies above 1, slower "
+        "than plain when it lies below 1, else within noise (under 3 repeats: too few repeats). "
         "τ: mean tokens per target forward (plain decoding = 1), α: acceptance rate, c: draft/target cost ratio, "
         "Bound: min(1/c, 1/(1−α)).",
         "",
@@ -357,7 +369,7 @@ def task_table(report: dict) -> str:
             str(r.get("batch_size")),
             DASH if acc is None else f"{100 * acc:.1f}% ({correct}/{n})",
             _fmt(r.get("tokens_per_s"), "{:.1f}"),
-            _fmt(r.get("speedup"), "{:.2f}×"),
+            _fmt(_speedup(r), "{:.2f}×"),
             _fmt(r.get("mean_accepted_length"), "{:.2f}"),
             DASH if diverged is None else f"{100 * diverged:.0f}%",
             DASH if r.get("length_cap_hits") is None else f"{r['length_cap_hits']}/{n}",
@@ -390,7 +402,7 @@ def approximate_table(report: dict) -> str:
         cells = [
             str(r.get("method")),
             str(r.get("batch_size")),
-            _fmt(r.get("speedup"), "{:.2f}×"),
+            _fmt(_speedup(r), "{:.2f}×"),
             _fmt(r.get("mean_accepted_length"), "{:.2f}"),
             DASH if diverged is None else f"{100 * diverged:.0f}%",
             _fmt(lp, "{:.3f}"),
@@ -432,7 +444,8 @@ def _row_cells(r: dict, with_category: bool = False) -> list[str]:
         _mode_label(r),
         DASH if r.get("batch_size") is None else str(r.get("batch_size")),
         _fmt(r.get("tokens_per_s"), "{:.1f}"),
-        _fmt(r.get("speedup"), "{:.2f}×"),
+        _speedup_cell(r),
+        str(r.get("verdict") or DASH),
         _fmt(r.get("mean_accepted_length"), "{:.2f}"),
         _fmt(r.get("alpha"), "{:.2f}"),
         _fmt(r.get("draft_cost_ratio"), "{:.2f}"),
@@ -455,10 +468,46 @@ def _shares(r: dict) -> str:
     return f"{100 * (plain or 0):.0f}%/{100 * (lookup or 0):.0f}%"
 
 
+def _speedup(r: dict) -> float | None:
+    """The speedup a table shows: the median of the per-repeat speedups, else the pooled one."""
+    median = _number(r.get("speedup_median"))
+    return median if median is not None else _number(r.get("speedup"))
+
+
+def _speedup_cell(r: dict) -> str:
+    """``1.62× [1.50–1.75]``: the speedup and, where the record has one, its 95 % interval."""
+    cell = _fmt(_speedup(r), "{:.2f}×")
+    interval = r.get("speedup_ci95")
+    if _number(r.get("speedup_median")) is None or not isinstance(interval, (list, tuple)) or len(interval) != 2:
+        return cell
+    return f"{cell} [{_fmt(interval[0], '{:.2f}')}–{_fmt(interval[1], '{:.2f}')}]"
+
+
+def _load_line(load) -> str | None:
+    """One line on the machine's load during the run (``None`` for a report without a ``load`` entry)."""
+    if not isinstance(load, dict):
+        return None
+    start, end = load.get("loadavg_start"), load.get("loadavg_end")
+    repeats = [p["loadavg"][0] for p in load.get("per_repeat") or [] if p.get("loadavg")]
+    cpus = load.get("process_cpus") or load.get("cpu_count")
+    where = f"{cpus} CPUs for this process, {load.get('torch_threads', DASH)} torch threads"
+    parts = [f"{start[0]:.2f} at the start"] if start else []
+    if repeats:
+        parts.append(f"{min(repeats):.2f}–{max(repeats):.2f} after each of {len(repeats)} repeats")
+    if end:
+        parts.append(f"{end[0]:.2f} at the end")
+    if not parts:
+        return f"**Machine load:** no load average on this platform; {where}."
+    line = f"**Machine load:** 1-minute load average {', '.join(parts)}; {where}."
+    if cpus and max([v[0] for v in (start, end) if v] + repeats) > cpus:
+        line += " The load exceeded the CPU count: other work competed with the benchmark, so read the intervals."
+    return line
+
+
 def _category_cell(r: dict | None) -> str:
     if r is None:
         return DASH
-    speed = _fmt(r.get("speedup"), "{:.2f}×")
+    speed = _fmt(_speedup(r), "{:.2f}×")
     tau = _number(r.get("mean_accepted_length"))
     return speed if tau is None else f"{speed} ({tau:.2f})"
 

@@ -9,7 +9,15 @@ figures stay meaningful at batch size > 1.
 Metrics per method, decoding mode, batch size and category (see :func:`run_benchmark`):
 
 * ``tokens_per_s``: new tokens (up to and including EOS) over wall-clock time, summed over all repeats;
-* ``speedup``: ``tokens_per_s`` over that of plain ``generate`` in the same mode, batch size and category;
+  ``tokens_per_s_by_repeat``: the same for each repeat alone;
+* ``speedup``: ``tokens_per_s`` over that of plain ``generate`` in the same mode, batch size and category (pooled
+  totals: on a machine whose speed drifts during the run, this mixes the drift into the ratio);
+* ``speedup_by_repeat``: for every repeat, the method's tokens/s over plain's in the same repeat, on the same prompt
+  batches (the two ran interleaved, so a slow spell of the machine slows both); ``speedup_median``,
+  ``speedup_min``, ``speedup_max`` of these, ``speedup_ci95``: a 95 % interval, the t-interval of their logarithms
+  exponentiated; ``verdict``: ``"faster"`` when the interval lies above 1, ``"slower than plain"`` when it lies
+  below 1, ``"within noise"`` otherwise and ``"too few repeats"`` under 3 (all ``None`` for the baseline itself,
+  whose record carries ``step_s`` instead: its wall time per target forward, the unit of ``c`` and ``v``);
 * ``mean_accepted_length`` τ: tokens committed per target verification pass (plain decoding: 1). Exact for
   hf_specdec drafters; for transformers' methods, new tokens per target forward pass (their prefill included);
 * ``acceptance_by_position``: for hf_specdec drafters, the rate at which the ``j``-th draft token was accepted,
@@ -39,6 +47,10 @@ Metrics per method, decoding mode, batch size and category (see :func:`run_bench
   verification pass round differently, so every speculative method, transformers' own included, can drift from plain
   greedy at near-ties; ``identical_up_to_near_ties`` is then the check that holds. In fp32 the promise is exact
   identity: near-ties are still reported but not excused (``identical_up_to_near_ties`` equals ``identical``).
+
+Besides the records, the report's ``load`` entry holds the machine's load averages (``os.getloadavg()``) at the start
+of the timed runs, after every repeat of every setting and at their end, with the CPU count, the CPUs the process may
+use and torch's thread count.
 """
 
 from __future__ import annotations
@@ -425,7 +437,8 @@ def run_benchmark(
         temperatures: ``0`` means greedy; ``T > 0`` samples at temperature ``T`` (``top_k`` off, ``top_p``).
         batch_sizes: batch sizes to measure; methods that do not support a batch size are reported as skipped.
         warmup: untimed runs of every method on the first batch before timing.
-        repeats: timed passes over all prompts.
+        repeats: timed passes over all prompts; a record's ``verdict`` needs at least 3 (one speedup per
+            repeat).
         seed: sampling seed; every method gets the same seed for the same batch and repeat.
         max_prompt_tokens: keep only the last ``N`` tokens of longer prompts (``None``: an over-long prompt is an
             error).
@@ -558,6 +571,7 @@ def run_benchmark(
     results: dict[tuple, list[_Run]] = {}
     skipped: dict[tuple, str] = {}
     batches_of: dict[int, list[list[PromptItem]]] = {}
+    load = _LoadLog()
     try:
         for temperature, bsz in settings:
             batches = batches_of.setdefault(bsz, _batches(prompts, bsz))
@@ -581,12 +595,14 @@ def run_benchmark(
                         results.setdefault((method.name, temperature, bsz, b_idx), []).append(run)
                         bar.update(1)
                     bar.update(len(methods) - len(active))
+                load.repeat_done(temperature, bsz, rep)
     finally:
         bar.close()
         for counter in target_counters.values():
             counter.remove()
         for counter in assistant_counters.values():
             counter.remove()
+    load_record = load.record()
 
     # Quality of approximate methods: the target's log-likelihood of what each method generated (their plain
     # references included), under the model they generate for.
@@ -642,47 +658,9 @@ def run_benchmark(
                     div["prompt"] = batch[div["row"]].id
                 results[(name, temperature, bsz, b_idx)][0].divergences = divergences
 
-    half = _is_half(rounding_dtype)
-    records = []
-    for temperature, bsz in settings:
-        batches = batches_of[bsz]
-        categories = sorted({item.category for item in prompts})
-        groups = [("all", list(range(len(batches))))]
-        if len(categories) > 1:
-            for cat in categories:
-                groups.append((cat, [i for i, b in enumerate(batches) if b[0].category == cat]))
-        for cat, idx in groups:
-            plain = _aggregate(results, plain_name, temperature, bsz, idx, None, plain_name)
-            for method in methods:
-                key = (method.name, temperature, bsz)
-                base = {
-                    "method": method.name,
-                    "kind": method.kind,
-                    "mode": "sampling" if temperature > 0 else "greedy",
-                    "temperature": float(temperature),
-                    "batch_size": bsz,
-                    "category": cat,
-                    "num_prompts": sum(len(batches[i]) for i in idx),
-                    "approximate": method.approximate,
-                }
-                if key in skipped:
-                    records.append({**base, "skipped": skipped[key]})
-                    continue
-                rec = _aggregate(
-                    results,
-                    method.name,
-                    temperature,
-                    bsz,
-                    idx,
-                    plain,
-                    reference_of[method.name],
-                    half=half,
-                    plain_row=method.kind == "plain",
-                )
-                if reference_of[method.name] != plain_name:
-                    rec["reference"] = reference_of[method.name]
-                records.append({**base, **rec})
-
+    records = _build_records(
+        results, skipped, settings, batches_of, prompts, methods, plain_name, reference_of, _is_half(rounding_dtype)
+    )
     report_config = {
         "target": str(getattr(target, "name_or_path", "") or type(target).__name__),
         "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
@@ -698,18 +676,111 @@ def run_benchmark(
         "num_prompts": len(prompts),
         "categories": sorted({item.category for item in prompts}),
         "max_prompt_tokens": max_prompt_tokens,
-        "methods": [
-            {
-                "name": m.name,
-                "kind": m.kind,
-                **_describe_kwargs(m.generate_kwargs),
-                **({"reference": reference_of[m.name]} if reference_of[m.name] != plain_name else {}),
-            }
-            for m in methods
-        ],
+        "methods": _describe_methods(methods, reference_of, plain_name),
     }
     report_config.update(config or {})
-    return {"hardware": hardware_info(device), "config": report_config, "records": records}
+    return {"hardware": hardware_info(device), "config": report_config, "records": records, "load": load_record}
+
+
+def _build_records(results, skipped, settings, batches_of, prompts, methods, plain_name, reference_of, half) -> list:
+    """One record per method, decoding setting (temperature, batch size) and category (``"all"`` first), each
+    against the baseline ``plain_name``'s record of the same setting and category (see :func:`_aggregate`)."""
+    records = []
+    for temperature, bsz in settings:
+        batches = batches_of[bsz]
+        categories = sorted({item.category for item in prompts})
+        groups = [("all", list(range(len(batches))))]
+        if len(categories) > 1:
+            for cat in categories:
+                groups.append((cat, [i for i, b in enumerate(batches) if b[0].category == cat]))
+        for cat, idx in groups:
+            plain = _aggregate(results, plain_name, temperature, bsz, idx, None, plain_name, half=half, plain_row=True)
+            for method in methods:
+                key = (method.name, temperature, bsz)
+                base = {
+                    "method": method.name,
+                    "kind": method.kind,
+                    "mode": "sampling" if temperature > 0 else "greedy",
+                    "temperature": float(temperature),
+                    "batch_size": bsz,
+                    "category": cat,
+                    "num_prompts": sum(len(batches[i]) for i in idx),
+                    "approximate": method.approximate,
+                }
+                if key in skipped:
+                    records.append({**base, "skipped": skipped[key]})
+                    continue
+                if method.name == plain_name:  # the baseline: its record is ``plain`` itself
+                    records.append({**base, **plain})
+                    continue
+                rec = _aggregate(
+                    results,
+                    method.name,
+                    temperature,
+                    bsz,
+                    idx,
+                    plain,
+                    reference_of[method.name],
+                    half=half,
+                    plain_row=method.kind == "plain",
+                )
+                if reference_of[method.name] != plain_name:
+                    rec["reference"] = reference_of[method.name]
+                records.append({**base, **rec})
+    return records
+
+
+def _describe_methods(methods: list[BenchMethod], reference_of: dict, plain_name: str) -> list[dict]:
+    """The report config's entry per method: name, kind, generation options and its reference if not the baseline."""
+    return [
+        {
+            "name": m.name,
+            "kind": m.kind,
+            **_describe_kwargs(m.generate_kwargs),
+            **({"reference": reference_of[m.name]} if reference_of[m.name] != plain_name else {}),
+        }
+        for m in methods
+    ]
+
+
+class _LoadLog:
+    """The machine's load averages (1, 5 and 15 minutes) at the start of the timed runs, after every repeat and at
+    their end, with the CPUs the process may use: on a shared machine a timing means little without them."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.start = _loadavg()
+        self.per_repeat: list[dict] = []
+
+    def repeat_done(self, temperature: float, batch_size: int, repeat: int) -> None:
+        self.per_repeat.append(
+            {
+                "temperature": float(temperature),
+                "batch_size": batch_size,
+                "repeat": repeat,
+                "elapsed_s": round(time.perf_counter() - self.t0, 2),
+                "loadavg": _loadavg(),
+            }
+        )
+
+    def record(self) -> dict:
+        """The report's ``load`` entry."""
+        return {
+            "loadavg_start": self.start,
+            "per_repeat": self.per_repeat,
+            "loadavg_end": _loadavg(),
+            "cpu_count": os.cpu_count(),
+            "process_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+        }
+
+
+def _loadavg() -> list[float] | None:
+    """``os.getloadavg()`` rounded (``None`` where the platform has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 @torch.no_grad()
@@ -833,24 +904,9 @@ def _aggregate(
     """One record's measurements: speed against ``plain`` (the baseline's record; ``None``: this is the baseline),
     greedy identity against the ``reference`` method's outputs; ``plain_row``: plain decoding (tau 1)."""
     runs = [r for i in idx for r in results.get((name, temperature, bsz, i), [])]
-    seconds = sum(r.seconds for r in runs)
-    tokens = sum(r.new_tokens for r in runs)
-    forwards = sum(r.target_forwards for r in runs)
-    rec: dict[str, Any] = {
-        "new_tokens": tokens,
-        "wall_s": round(seconds, 4),
-        "tokens_per_s": round(tokens / seconds, 3) if seconds > 0 else None,
-        "target_forwards": forwards,
-        "median_run_s": round(statistics.median(r.seconds for r in runs), 4) if runs else None,
-    }
-    if plain is None:  # this is the baseline itself
-        rec["step_s"] = seconds / forwards if forwards else None
-        plain = rec
-    rec["speedup"] = (
-        round(rec["tokens_per_s"] / plain["tokens_per_s"], 4)
-        if rec["tokens_per_s"] and plain.get("tokens_per_s")
-        else None
-    )
+    rec = _speed(results, name, temperature, bsz, idx, plain)
+    tokens, forwards = rec["new_tokens"], rec["target_forwards"]
+    plain = rec if plain is None else plain
     step_s = plain.get("step_s")
     accepted = [a for r in runs for a in r.accepted]
     drafted = [d for r in runs for d in r.drafted]
@@ -945,6 +1001,119 @@ def _aggregate(
         # a run over the sequence length (prompt padding included), the worst run.
         rec["cache_length_ratio"] = _round(max(ratios))
     return rec
+
+
+def _speed(results, name, temperature, bsz, idx, plain: dict | None) -> dict:
+    """Throughput of one record over the batches ``idx``, its pooled speedup over ``plain`` (the baseline's record;
+    ``None``: this is the baseline, which also gets ``step_s``, the wall time of one plain step) and the per-repeat
+    speedups with their spread (see :func:`_speedup_spread`)."""
+    runs = [r for i in idx for r in results.get((name, temperature, bsz, i), [])]
+    seconds = sum(r.seconds for r in runs)
+    tokens = sum(r.new_tokens for r in runs)
+    forwards = sum(r.target_forwards for r in runs)
+    by_repeat = [_round(x) for x in _repeat_throughputs(results, name, temperature, bsz, idx)]
+    rec: dict[str, Any] = {
+        "new_tokens": tokens,
+        "wall_s": round(seconds, 4),
+        "tokens_per_s": round(tokens / seconds, 3) if seconds > 0 else None,
+        "tokens_per_s_by_repeat": by_repeat,
+        "target_forwards": forwards,
+        "median_run_s": round(statistics.median(r.seconds for r in runs), 4) if runs else None,
+    }
+    if plain is None:
+        rec["step_s"] = seconds / forwards if forwards else None
+    base = rec if plain is None else plain
+    rec["speedup"] = (
+        round(rec["tokens_per_s"] / base["tokens_per_s"], 4)
+        if rec["tokens_per_s"] and base.get("tokens_per_s")
+        else None
+    )
+    rec.update(_speedup_spread(by_repeat, (plain or {}).get("tokens_per_s_by_repeat") or []))
+    return rec
+
+
+def _repeat_throughputs(results, name, temperature, bsz, idx) -> list[float | None]:
+    """Tokens per second of each repeat over the batches ``idx``: repeat ``r``'s new tokens over its wall time
+    (``None`` for a repeat that took no time)."""
+    per_batch = [results.get((name, temperature, bsz, i), []) for i in idx]
+    out = []
+    for rep in range(min((len(runs) for runs in per_batch), default=0)):
+        seconds = sum(runs[rep].seconds for runs in per_batch)
+        tokens = sum(runs[rep].new_tokens for runs in per_batch)
+        out.append(tokens / seconds if seconds > 0 else None)
+    return out
+
+
+def _speedup_spread(mine: list, plain: list) -> dict:
+    """Per-repeat speedups and what they support.
+
+    Repeat ``r``'s speedup is its tokens/s over plain's tokens/s in the same repeat, on the same prompt batches
+    (``mine[r] / plain[r]``): the two ran interleaved, minutes apart at most, so a machine whose speed drifts over
+    an hour moves both. Returns ``speedup_by_repeat``, their ``speedup_median``, ``speedup_min``, ``speedup_max``,
+    ``speedup_ci95`` (:func:`_speedup_interval`) and the ``verdict`` (:func:`_verdict`); all ``None`` (the list
+    empty) without a ratio, as for the baseline itself.
+    """
+    ratios = [a / b for a, b in zip(mine, plain) if a and b]
+    interval = _speedup_interval(ratios)
+    return {
+        "speedup_by_repeat": [_round(x) for x in ratios],
+        "speedup_median": _round(statistics.median(ratios)) if ratios else None,
+        "speedup_min": _round(min(ratios, default=None)),
+        "speedup_max": _round(max(ratios, default=None)),
+        "speedup_ci95": [_round(x) for x in interval] if interval else None,
+        "verdict": _verdict(interval, len(ratios)) if ratios else None,
+    }
+
+
+# The 0.975 quantile of Student's t for 1..30 degrees of freedom.
+_T975 = (
+    12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
+    2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
+    2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423,
+)  # fmt: skip
+
+
+def _t975(df: int) -> float:
+    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (beyond the table: the Cornish-Fisher
+    expansion around the normal quantile, within 1e-4 there)."""
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def _speedup_interval(ratios: list[float]) -> tuple[float, float] | None:
+    """95 % interval of the speedup from per-repeat ratios: the t-interval of their logarithms, exponentiated (an
+    interval for the geometric mean ratio; ``None`` under two ratios).
+
+    Logarithms because a ratio is multiplicative (0.5× and 2× are equally far from 1) and a machine's slowdowns
+    scale both runs of a repeat alike; a t-interval rather than a bootstrap because with the usual 3 to 5 repeats a
+    bootstrap interval hardly reaches past the smallest and largest ratio, so it would call "faster" far more often
+    than 5 % of the time when the true speedup is 1.
+    """
+    if len(ratios) < 2:
+        return None
+    logs = [math.log(r) for r in ratios]
+    half = _t975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    center = statistics.fmean(logs)
+    return math.exp(center - half), math.exp(center + half)
+
+
+MIN_VERDICT_REPEATS = 3
+"""Fewer per-repeat speedups than this give no verdict (``"too few repeats"``)."""
+
+
+def _verdict(interval: tuple[float, float] | None, repeats: int) -> str:
+    """``"faster"`` when the 95 % interval lies above 1, ``"slower than plain"`` when it lies below 1, else
+    ``"within noise"``; ``"too few repeats"`` under :data:`MIN_VERDICT_REPEATS` ratios."""
+    if repeats < MIN_VERDICT_REPEATS or interval is None:
+        return "too few repeats"
+    low, high = interval
+    if low > 1.0:
+        return "faster"
+    if high < 1.0:
+        return "slower than plain"
+    return "within noise"
 
 
 def _acceptance(accepted: list[int], drafted: list[int]) -> tuple[list[float], float | None]:

@@ -792,9 +792,7 @@ def speculative_generate(
         del hidden, logits
         t4 = stats.add("draft_s", t3)
         if ctrl is not None:
-            ctrl.update(
-                k, drafted, committed, ~finished_before, t4 - t0, lookup_pass, catchup_s, catchup_slots
-            )
+            ctrl.update(k, drafted, committed, ~finished_before, t4 - t0, lookup_pass, catchup_s, catchup_slots)
         step += 1
 
     if streamer is not None:
