@@ -77,6 +77,7 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--save-steps", type=int, default=200)
+    p.add_argument("--mixed-precision", default="no", choices=["no", "bf16"], help="bf16 autocast (CPUs with bf16)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -106,7 +107,7 @@ def main(argv=None):
         targs = DrafterTrainingArguments(
             output_dir=out, num_train_epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.lr,
             warmup_ratio=0.03, save_steps=args.save_steps, eval_steps=args.save_steps, logging_steps=20,
-            seed=args.seed, report_to="none",
+            seed=args.seed, report_to="none", mixed_precision=args.mixed_precision,
         )  # fmt: skip
         record_path = os.path.join(out, "training_record.json")
         if os.path.isfile(record_path):

@@ -106,7 +106,8 @@ def test_costs_are_measured_relative_to_plain_steps_and_survive_load_changes():
     assert ctrl.relative_cost(3) is None and ctrl.relative_cost(2) is None
     _feed(ctrl, 0, [0], 0.20)
     assert ctrl.relative_cost(0) == 1.0 and ctrl.relative_cost(3) == pytest.approx(1.5)
-    assert ctrl.relative_cost(2) is None  # never run: no cost is assumed, and it is never chosen
+    assert ctrl.relative_cost(2) is None  # never run: no cost is assumed
+    assert ctrl.cost_bound(2) == pytest.approx(1.5) and ctrl.cost_bound(4) is None  # only bounded by a longer one
     for _ in range(7):
         _feed(ctrl, 3, [3], 0.30)
     for _ in range(20):
@@ -235,6 +236,7 @@ def test_sampling_stays_lossless_with_changing_draft_lengths(scripted):
 
 def test_lookup_is_taken_instead_of_plain_steps_only_while_it_pays():
     ctrl = DraftLengthController(3, probe_every=5)
+    assert not ctrl.use_lookup()  # a plain step first: lookups are measured against it
     _feed(ctrl, 0, [0], 1.0)  # plain step: 1 token per second
     assert ctrl.use_lookup()  # lookup not measured yet: try it
     ctrl.update(0, torch.tensor([4]), torch.tensor([1]), torch.tensor([True]), 1.5, lookup=True)

@@ -18,7 +18,8 @@ large batch on a compute-bound device.
   (a moving average that every pass updates), and a length's cost is the median of its recent relative times. The
   machine's load changes every length's time alike, so the ratios, and the decision, survive a machine that slows
   down or speeds up several-fold; the median ignores a pass hit by a one-off stall. A length that was never run
-  has no cost and is not chosen; probes measure it.
+  is bounded by the cheapest measured longer one (drafting less never costs more), else not chosen; probes measure
+  it.
 * A draft must be expected to beat a plain step by ``margin`` (5 %) to be chosen, so noise around break-even
   (a weak drafter, whose one-token draft at best pays for its wider pass) decodes plainly.
 * After plain steps the drafter must catch up on the slots it did not see before it can draft. That time is
@@ -156,10 +157,20 @@ class DraftLengthController:
         plain steps), from measured catch-ups (0 before any)."""
         return statistics.median(self.catchup) * slots if self.catchup and slots else 0.0
 
+    def cost_bound(self, k: int) -> float | None:
+        """``k``'s measured cost, else the cheapest measured cost of a longer draft (a pass never costs less for
+        drafting more, so that bounds it from above); ``None`` when neither was measured."""
+        cost = self.relative_cost(k)
+        if cost is not None or k <= 0:
+            return cost
+        longer = [c for j in self.relative if j > k and (c := self.relative_cost(j)) is not None]
+        return min(longer) if longer else None
+
     def rate(self, k: int, pending_slots: int = 0) -> float | None:
         """Expected tokens per plain-step time of a pass drafting ``k`` (a plain step: 1), the catch-up on
-        ``pending_slots`` counted against drafting; ``None`` while ``k``'s cost is not measured."""
-        cost = self.relative_cost(k)
+        ``pending_slots`` counted against drafting; ``None`` while no measurement bounds ``k``'s cost
+        (:meth:`cost_bound`)."""
+        cost = self.cost_bound(k)
         if cost is None:
             return None
         if k > 0:
@@ -222,8 +233,10 @@ class DraftLengthController:
         when some row has a match): yes while lookup passes commit more tokens per second than plain steps by
         ``margin``, when either is not measured yet, and now and then to notice that it started paying (after
         ``probe_every`` matches, then at gaps that double while it keeps losing, up to ``max_probe_gap``)."""
+        if self.step_time is None:
+            return False  # a plain step first: lookups are measured against it
         self._lookup_matches += 1
-        if not self.lookup_relative or self.lookup_tokens is None or self.step_time is None:
+        if not self.lookup_relative or self.lookup_tokens is None:
             return True
         if self.lookup_tokens / statistics.median(self.lookup_relative) > 1.0 + self.margin:
             self._lookup_gap = self.probe_every
