@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Trains every head / feature family for SmolLM2-135M-Instruct on the same data budget, with hf_specdec's own CLI:
-#   data      the self-distilled answers of scripts/train_smollm2_assistant.py (480 chat prompts from
-#             hf_specdec.chat_prompts, disjoint from the benchmarks; SmolLM2's greedy answers, at most 192 tokens);
+#   data      the committed self-distillation data set data/smollm2-distill (scripts/build_smollm2_distill.py:
+#             Magpie prompts written by SmolLM2 and templated ones, disjoint from the benchmarks; SmolLM2's greedy
+#             answers, at most 256 tokens; see its README.md); DATA=... takes another JSONL file or shard folder;
 #   features  dumped once (`hf-specdec dump-features`) for the union of the layers the families read: EAGLE-3's
 #             [2, 15, 27] plus the final state every other family reads, which the dump always stores;
 #   training  `hf-specdec train --features ...` per family, same steps, batch, learning rate and 4096-token draft
@@ -14,10 +15,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/smollm2-families}
-DATA=${DATA:-runs/smollm2-assistant/regenerated.jsonl}
-STEPS=${STEPS:-300}
+DATA=${DATA:-data/smollm2-distill}
+STEPS=${STEPS:--1}  # -1: EPOCHS epochs over the data
+EPOCHS=${EPOCHS:-1}
 FAMILIES=${FAMILIES:-medusa hydra blockwise eagle1 eagle3 medusa2 mtp dflash dspark specblock specblock-noshift}
-test -f "$DATA" || python scripts/train_smollm2_assistant.py --out runs/smollm2-assistant  # writes the answers first
+if [ ! -e "$DATA" ]; then  # write the data first
+    case "$DATA" in
+        data/smollm2-distill) python scripts/build_smollm2_distill.py ;;
+        runs/smollm2-assistant/*) python scripts/train_smollm2_assistant.py --out runs/smollm2-assistant ;;  # the old 480
+        *) echo "no training data at $DATA" >&2; exit 1 ;;
+    esac
+fi
 test -f "$RUN/features/index.json" || hf-specdec dump-features --target smollm2 --data "$DATA" --output-dir "$RUN/features" --layer-ids 2 15 27 \
     --max-length 512 --batch-size 8
 for family in $FAMILIES; do
@@ -36,6 +44,6 @@ for family in $FAMILIES; do
     if [ "$family" = specblock-noshift ]; then drafter=specblock; extra=(--config layer_shift=false); fi
     if [ "$family" = specblock-allslots ]; then drafter=specblock; extra=(--config context_slots=all); fi
     hf-specdec train --target smollm2 --drafter "$drafter" "${source[@]}" --output-dir "$out" \
-        --draft-vocab-size 4096 --max-steps "$STEPS" --batch-size 8 --lr 1e-3 --save-steps 100 --eval-steps 100 \
+        --draft-vocab-size 4096 --max-steps "$STEPS" --epochs "$EPOCHS" --batch-size 8 --lr 1e-3 --save-steps 100 --eval-steps 100 \
         --logging-steps 20 --report-to none "${extra[@]}" "${resume[@]}"
 done

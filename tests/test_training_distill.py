@@ -153,3 +153,22 @@ def test_the_card_states_counts_sources_settings_and_the_command(tok, tmp_path, 
     assert f"| answer tokens | {index['answer_tokens']} " in card
     assert "| synthesised by the target (Magpie" in card and "| 4 |" in card
     assert "python make_it.py --num-shards 1" in card and "MiB" in card and "License" in card
+
+
+def test_training_reads_the_sharded_folder_and_names_a_bad_shard_line(tok, tmp_path, monkeypatch):
+    from hf_specdec.training.data import load_records
+
+    monkeypatch.setattr(distill, "benchmark_texts", lambda: [])
+    prompts = [f"Question about topic {w}?" for w in "abcdefgh"]
+    out = tmp_path / "d"
+    build_distill_dataset(ScriptedTarget(tok, prompts), tok, out, num_shards=2, shard_size=4, templated_share=0.0,
+                          max_new_tokens=16, synth_batch_size=4, log=lambda m: None)  # fmt: skip
+    records = load_records(out)
+    assert list(records) == read_distill_dataset(out) and len(records) == 8
+    assert records.location(5) == f"{shard_path(out, 1)}:2"
+    with gzip.open(shard_path(out, 1), "at") as fh:
+        fh.write('{"messages": "not a list"}\n')
+    with pytest.raises(ValueError, match=r"shard-00001\.jsonl\.gz:5"):
+        load_records(out)
+    with pytest.raises(ValueError, match="none"):
+        load_records(tmp_path / "d" / ".work")

@@ -16,6 +16,7 @@ packing, of every packed document) never carries loss.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -153,20 +154,28 @@ class RecordList(list):
         lines: The 1-based line number of each record.
     """
 
-    def __init__(self, records: Iterable[dict] = (), path: str | None = None, lines: Sequence[int] = ()):
+    def __init__(
+        self,
+        records: Iterable[dict] = (),
+        path: str | None = None,
+        lines: Sequence[int] = (),
+        files: Sequence[str] = (),
+    ):
         super().__init__(records)
         self.path = path
         self.lines = list(lines)
+        self.files = list(files)  # per record, when the records come from several files (a sharded folder)
 
     def location(self, index: int) -> str | None:
         """``"file:line"`` of record ``index``, or ``None`` when unknown."""
         if self.path is None or not 0 <= index < len(self.lines):
             return None
-        return f"{self.path}:{self.lines[index]}"
+        return f"{self.files[index] if self.files else self.path}:{self.lines[index]}"
 
 
 def load_records(path: str | os.PathLike, vocab_size: int | None = None) -> RecordList:
-    """Reads and validates a JSONL file of training records.
+    """Reads and validates a JSONL file of training records (``.jsonl``, or gzip-compressed ``.jsonl.gz``), or a
+    folder of them read in name order (the shards of :func:`hf_specdec.training.distill.build_distill_dataset`).
 
     Each non-blank line holds one JSON object of one of these kinds (extra keys such as ``"id"`` are kept):
 
@@ -177,32 +186,53 @@ def load_records(path: str | os.PathLike, vocab_size: int | None = None) -> Reco
     * pre-tokenised: ``{"input_ids": [int, ...], "loss_mask": [0 | 1, ...]}`` (``loss_mask`` optional).
 
     Args:
-        path: The JSONL file.
+        path: The JSONL file, or a folder of ``*.jsonl`` / ``*.jsonl.gz`` files.
         vocab_size: The target's vocabulary size; given it, pre-tokenised records with an id outside
             ``[0, vocab_size)`` are refused here (the trainer checks every example against its target anyway).
 
     Returns:
-        The records, in file order, as a :class:`RecordList` (a list that remembers each record's line).
+        The records, in file order, as a :class:`RecordList` (a list that remembers each record's file and line).
 
     Raises:
-        ValueError: On the first bad line; the message names the file, the 1-based line number and the problem.
+        ValueError: On the first bad line; the message names the file, the 1-based line number and the problem; for
+            a folder without JSONL files.
     """
-    records = RecordList(path=os.fspath(path))
-    with open(path, encoding="utf-8") as f:
+    path = os.fspath(path)
+    files = _jsonl_files(path)
+    records = RecordList(path=path)
+    for file in files:
+        for lineno, record in _read_jsonl(file, vocab_size):
+            records.append(record)
+            records.lines.append(lineno)
+            if len(files) > 1 or file != path:
+                records.files.append(file)
+    return records
+
+
+def _jsonl_files(path: str) -> list[str]:
+    if not os.path.isdir(path):
+        return [path]
+    files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith((".jsonl", ".jsonl.gz")))
+    if not files:
+        raise ValueError(f"{path}: a folder of training data needs *.jsonl or *.jsonl.gz files; it has none.")
+    return files
+
+
+def _read_jsonl(file: str, vocab_size: int | None) -> Iterator[tuple[int, dict]]:
+    opener = gzip.open if file.endswith(".gz") else open
+    with opener(file, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{os.fspath(path)}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+                raise ValueError(f"{file}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
             try:
                 _validate_record(record, vocab_size)
             except ValueError as e:
-                raise ValueError(f"{os.fspath(path)}:{lineno}: {e}") from None
-            records.append(record)
-            records.lines.append(lineno)
-    return records
+                raise ValueError(f"{file}:{lineno}: {e}") from None
+            yield lineno, record
 
 
 # --------------------------------------------------------------------------------------------------------------------
