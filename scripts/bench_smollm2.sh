@@ -8,6 +8,10 @@
 #   smollm2-bench-t07  sampling at T = 0.7, batch 1, 128 new tokens: plain, EAGLE-3 chain (adaptive and fixed K)
 #   smollm2-bench-b4   greedy, batch 4, 128 new tokens: plain, EAGLE-3 chain
 #   smollm2-bench-b8   greedy, batch 8, 384 new tokens (3 prompts per category): plain, EAGLE-3 chain
+#   smollm2-bench-bf16 the target in bf16 (the dtype users run), greedy and T = 0.7, batch 1, 128 new tokens: bf16
+#                      plain, EAGLE-3 chain, transformers' assisted generation and prompt lookup; greedy outputs that
+#                      differ from bf16 plain are classified as near-ties or real differences
+# Every run repeats 3 times (the bench default) and reports each speedup's median, 95 % interval and verdict.
 # Outputs: model_cards/results/smollm2-bench*.{json,md,png}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,3 +27,5 @@ hf-specdec bench "${COMMON[@]}" --max-prompts 5 --max-new-tokens 128 --batch-siz
     --stem smollm2-bench-b4 &
 hf-specdec bench "${COMMON[@]}" --max-prompts 3 --max-new-tokens 384 --batch-size 8 --no-peers --stem smollm2-bench-b8 &
 wait
+hf-specdec bench "${COMMON[@]}" --dtype bfloat16 --max-prompts 5 --max-new-tokens 128 --temperature 0 0.7 \
+    --stem smollm2-bench-bf16

@@ -183,3 +183,20 @@ def test_a_fixed_held_out_dump_and_a_training_prefix(workspace, tmp_path):
     assert record["train_examples"] == 4 and record["eval_examples"] == 3
     with pytest.raises(ValueError, match="offline features"):
         train_drafter(target, tok, records, args, max_train_examples=4)
+
+
+def test_distill_command_builds_shards_from_the_users_prompts(workspace, tmp_path):
+    from hf_specdec.training.distill import read_distill_dataset
+
+    root, target, tok = workspace
+    out = tmp_path / "data"
+    args = ["distill", "--target", str(root / "target"), "--output-dir", str(out), "--num-shards", "2",
+            "--shard-size", "6", "--data", str(root / "prompts.jsonl"), "--templated-share", "0",
+            "--max-new-tokens", "8", "--batch-size", "4"]  # fmt: skip
+    assert cli(args) == 0
+    records = read_distill_dataset(out)
+    assert len(records) == 12 and all(r["messages"][-1]["role"] == "assistant" for r in records)
+    index = json.loads((out / "index.json").read_text())
+    assert index["sources"] == {"user": 12} and index["settings"]["command"].startswith("hf-specdec distill --target")
+    assert "| records | 12 in 2 shards of 6 prompts |" in (out / "README.md").read_text()
+    assert load_records(out)[0]["messages"][0] == records[0]["messages"][0]  # training reads the folder

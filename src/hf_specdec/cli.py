@@ -66,6 +66,37 @@ def _regenerate(args) -> int:
     return 0
 
 
+def _distill(args) -> int:
+    import shlex
+
+    from .training.distill import build_distill_dataset
+    from .training.sources import load_prompt_source
+
+    extra = []
+    if args.data:
+        try:
+            extra = load_prompt_source(args.data, split=args.split, limit=args.limit)
+        except ImportError as err:  # `datasets` missing: one line saying what to install
+            raise SystemExit(str(err)) from None
+    target, tokenizer = _load_target(args)
+    target.eval()
+    index = build_distill_dataset(
+        target,
+        tokenizer,
+        args.output_dir,
+        num_shards=args.num_shards,
+        shard_size=args.shard_size,
+        extra_records=extra,
+        templated_share=args.templated_share,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        settings={"target": str(args.target), "command": "hf-specdec " + shlex.join(args.argv)},
+    )
+    print(f"{index['records']} records, {index['answer_tokens']} answer tokens in {len(index['shards'])} shards")
+    return 0
+
+
 def _drafter_overrides(args) -> dict:
     out = {}
     if getattr(args, "num_draft_tokens", None):
@@ -946,6 +977,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-resume", action="store_true", help="start over instead of continuing an existing output")
     p.set_defaults(func=_regenerate)
 
+    p = sub.add_parser(
+        "distill",
+        help="self-distillation data at scale: prompts the target writes (Magpie), templated and your own; the "
+        "target's answers; resumable compressed shards with a dataset card",
+    )
+    _add_target_args(p)
+    p.add_argument("--output-dir", required=True, help="where the shards, index.json and README.md go")
+    p.add_argument("--num-shards", type=int, required=True, help="rerun with more to extend the data set")
+    p.add_argument("--shard-size", type=int, default=512, help="prompts per shard (the unit of resuming)")
+    p.add_argument("--data", default=None, help="your own prompts first (a file or Hub dataset id, as regenerate)")
+    p.add_argument("--split", default="train")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--templated-share", type=float, default=0.25, help="share of hf_specdec's templated prompts")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_distill)
+
     p = sub.add_parser("dump-features", help="write the target features a drafter trains on to disk (offline)")
     _add_target_args(p)
     p.add_argument("--data", required=True)
@@ -1036,6 +1085,7 @@ def main(argv: list[str] | None = None) -> int:
     ``HF_SPECDEC_TRACEBACK=1`` to see the traceback instead."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line, for records that name it
     _check_option_values(parser, args)
     command = f"hf-specdec {args.command}"
     try:
