@@ -100,7 +100,8 @@ def test_generation_config_holds_frozen_settings():
     assert out.verifier == "asd" and torch.equal(out.sequences, ref)
     target.generation_config.asd_budget = 50.0
     target.generation_config.asd_gate = 50.0
-    loose = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    # a fixed length: a random drafter does not pay, so the adaptive length would decode plainly, verifying nothing
+    loose = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, draft_length="fixed", **kwargs)
     assert float(loose.verifier_stats["regret"].sum()) > 0  # the config's budget was used
     # An explicit call option wins over the config.
     again = target.generate(ids, assistant_model=drafter, asd_budget=0.0, verifier="asd", **kwargs)

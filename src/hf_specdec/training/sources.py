@@ -4,7 +4,7 @@
 :func:`hf_specdec.training.data.tokenize_record` and :func:`hf_specdec.training.regenerate.regenerate` take::
 
     {"messages": [{"role": "user", "content": "..."}]}        # OpenAI chat, as is
-    {"conversations": [{"from": "human", "value": "..."}]}     # ShareGPT (as SpecForge and EAGLE read it)
+    {"conversations": [{"from": "human", "value": "..."}]}     # ShareGPT (as SpecForge and SafeAILab read it)
     {"instruction": "...", "input": "...", "output": "..."}    # Alpaca
     {"prompt": "...", "response": "..."}                       # plain prompts, as is
 
