@@ -26,6 +26,8 @@ import argparse
 import hashlib
 import json
 import os
+import shlex
+import sys
 
 import torch
 
@@ -138,9 +140,10 @@ def write_results(args, rows, n_eval):
         "data": args.data,
         "held_out_records": n_eval,
         "settings": {
-            k: getattr(args, k) for k in ("epochs", "k", "draft_vocab_size", "batch_size", "lr", "max_length")
+            k: getattr(args, k)
+            for k in ("epochs", "k", "draft_vocab_size", "batch_size", "lr", "max_length", "mixed_precision")
         },
-        "command": "python scripts/train_smollm2_scaling.py --sizes " + " ".join(map(str, args.sizes)),
+        "command": "python scripts/train_smollm2_scaling.py " + shlex.join(sys.argv[1:]),
         "rows": rows,
     }
     with open(args.results + ".json", "w", encoding="utf-8") as fh:
