@@ -135,10 +135,12 @@ def test_catch_up_is_measured_apart_and_counted_against_the_next_draft():
     ctrl = DraftLengthController(2, probe_every=1000)
     _feed(ctrl, 0, [0], 1.0)
     acc = torch.tensor([2, 2])
-    for _ in range(10):  # each pass spends 0.5 s catching up on 10 slots; its own cost is 1.2 s
-        ctrl.update(2, torch.tensor([2, 2]), acc + 1, torch.tensor([True, True]), 1.7, False, 0.5, 10)
+    for slots in (10, 10, 10, 100, 100):  # catching up costs 0.05 s per slot; a pass's own cost is 1.2 s
+        ctrl.update(2, torch.tensor([2, 2]), acc + 1, torch.tensor([True, True]), 1.2 + 0.05 * slots, False,
+                    0.05 * slots, slots)  # fmt: skip
     assert ctrl.relative_cost(2) == pytest.approx(1.2, rel=1e-3)
     assert ctrl.catchup_cost(10) == pytest.approx(0.5, rel=1e-3)
+    assert ctrl.catchup_cost(400) == pytest.approx(5.0, rel=1e-3)  # never more than the dearest one measured
     assert ctrl.best(pending_slots=0) == 2
     assert ctrl.best(pending_slots=100) == 0  # 5 steps of catch-up eat the gain of the next draft
 

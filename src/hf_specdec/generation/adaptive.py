@@ -105,7 +105,7 @@ class DraftLengthController:
         self.step_time: float | None = None  # seconds of a plain step now (moving average): the load scale
         self.relative: dict[int, deque] = {}  # draft length -> recent pass times in plain steps
         self._unscaled: dict[int, list[float]] = {}  # pass times measured before any plain step
-        self.catchup: deque = deque(maxlen=window)  # catch-up seconds per slot, in plain steps
+        self.catchup: deque = deque(maxlen=window)  # (slots, catch-up time in plain steps) of recent catch-ups
         self.window = int(window)
         self.passes = 0
         self._probe_side = 1
@@ -154,8 +154,12 @@ class DraftLengthController:
 
     def catchup_cost(self, slots: int) -> float:
         """Time, in plain steps, the drafter needs to catch up on ``slots`` verified slots it has not seen (after
-        plain steps), from measured catch-ups (0 before any)."""
-        return statistics.median(self.catchup) * slots if self.catchup and slots else 0.0
+        plain steps), from measured catch-ups (0 before any): the median per slot times ``slots``, but never more
+        than the dearest catch-up measured (it is one batched pass, not one per slot)."""
+        if not self.catchup or not slots:
+            return 0.0
+        per_slot = statistics.median(r / n for n, r in self.catchup)
+        return min(per_slot * slots, max(r for _, r in self.catchup))
 
     def cost_bound(self, k: int) -> float | None:
         """``k``'s measured cost, else the cheapest measured cost of a longer draft (a pass never costs less for
@@ -276,7 +280,7 @@ class DraftLengthController:
             return
         self._record_time(k, seconds)
         if catchup_slots and self.step_time is not None:
-            self.catchup.append(catchup_seconds / catchup_slots / self.step_time)
+            self.catchup.append((catchup_slots, catchup_seconds / self.step_time))
         if k <= 0 or not bool(act.any()):
             return
         self._record_acceptance(drafted.cpu()[act].tolist(), committed.cpu()[act].tolist())
