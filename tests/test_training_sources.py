@@ -115,6 +115,13 @@ def test_jsonl_of_mixed_formats_with_limit_and_line_numbers(tmp_path):
     assert records[0]["messages"] == records[2]["messages"] == CONVERSATION and records[3] == {"prompt": "Hi"}
     assert len(load_prompt_source(path, limit=3)) == 3
 
+    import gzip
+
+    packed = tmp_path / "mixed.jsonl.gz"
+    with gzip.open(packed, "wt", encoding="utf-8") as fh:
+        fh.write(path.read_text())
+    assert list(load_prompt_source(packed)) == list(records)  # gzip-compressed JSONL (a distill shard) too
+
     path.write_text(json.dumps(ALPACA) + "\n" + json.dumps({"question": "hi"}) + "\n")
     with pytest.raises(ValueError, match=rf"^{path}:2: a row in no known format.*found keys: question$"):
         load_prompt_source(path)

@@ -13,6 +13,7 @@ ShareGPT and Alpaca rows become ``{"messages": [...]}``; other keys of a row (``
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import os
@@ -33,7 +34,7 @@ SHAREGPT_ROLES = {
     "bard": "assistant",
     "system": "system",
 }
-_JSON_EXTENSIONS = (".jsonl", ".json")
+_JSON_EXTENSIONS = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 _KNOWN = "'messages' (OpenAI chat), 'conversations' (ShareGPT), 'instruction' (Alpaca) or 'prompt'"
 
 
@@ -143,8 +144,9 @@ def normalize_record(row: Mapping[str, Any], where: str = "record") -> dict:
 
 
 def _read_local(path: str) -> tuple[list, list[str], list[int]]:
-    """``(rows, locations, line numbers)`` of a JSON list or JSONL file."""
-    with open(path, encoding="utf-8") as f:
+    """``(rows, locations, line numbers)`` of a JSON list or JSONL file (gzip-compressed when it ends in ``.gz``)."""
+    opener = gzip.open if path.lower().endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         text = f.read()
     if text.lstrip().startswith("["):
         try:
