@@ -171,6 +171,29 @@ def _generate_batch(
     return answers
 
 
+def _prepare_output(output_path: str, resume: bool, total: int, log) -> set[int]:
+    """Creates ``output_path``'s folder; the source indices already in it when resuming (else it is emptied)."""
+    parent = os.path.dirname(output_path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    if not resume:
+        open(output_path, "w").close()
+        return set()
+    done = _read_done(output_path, log) if os.path.exists(output_path) else set()
+    if done:
+        log(f"Resuming {output_path}: {len(done)} of {total} records already regenerated.")
+    return done
+
+
+def _pad_id(tokenizer) -> int:
+    """The tokenizer's pad id, its pad token set to EOS if missing."""
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.pad_token_id is None:
+        raise ValueError("The tokenizer has neither a pad token nor an EOS token to pad with.")
+    return tokenizer.pad_token_id
+
+
 def regenerate(
     target: nn.Module,
     tokenizer,
@@ -247,27 +270,11 @@ def regenerate(
     prompts = [build_prompt(tokenizer, r) for r in records]  # validates every record before generating
 
     output_path = os.fspath(output_path)
-    parent = os.path.dirname(output_path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    done: set[int] = set()
-    if resume and os.path.exists(output_path):
-        done = _read_done(output_path, log)
-        if done:
-            log(f"Resuming {output_path}: {len(done)} of {len(records)} records already regenerated.")
-    elif not resume:
-        open(output_path, "w").close()
-
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    pad_id = tokenizer.pad_token_id
-    if pad_id is None:
-        raise ValueError("The tokenizer has neither a pad token nor an EOS token to pad with.")
-    gen_kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens}
-    if temperature == 0:
-        gen_kwargs["do_sample"] = False
-    else:
-        gen_kwargs.update(do_sample=True, temperature=float(temperature), top_p=float(top_p))
+    done = _prepare_output(output_path, resume, len(records), log)
+    pad_id = _pad_id(tokenizer)
+    gen_kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": temperature > 0}
+    if temperature > 0:
+        gen_kwargs.update(temperature=float(temperature), top_p=float(top_p))
 
     encoded = [tokenizer(text, add_special_tokens=not templated)["input_ids"] for text, templated in prompts]
     too_long = _too_long(encoded, max_new_tokens, target, truncate_left)
