@@ -3,8 +3,10 @@
 #   data      the committed self-distillation data set data/smollm2-distill (scripts/build_smollm2_distill.py:
 #             Magpie prompts written by SmolLM2 and templated ones, disjoint from the benchmarks; SmolLM2's greedy
 #             answers, at most 256 tokens; see its README.md); DATA=... takes another JSONL file or shard folder;
-#   features  dumped once (`hf-specdec dump-features`) for the union of the layers the families read: EAGLE-3's
-#             [2, 15, 27] plus the final state every other family reads, which the dump always stores;
+#   features  dumped once for every family and for the EAGLE-3 scaling curve, by scripts/train_smollm2_scaling.py
+#             (--dump-only when missing): the bf16 target over the training records and, apart, over the fixed
+#             held-out set every family is scored on; the layers EAGLE-3 reads, [2, 15, 27], plus the final state
+#             every other family reads, which the dump always stores; EXAMPLES=N trains on the first N records;
 #   training  `hf-specdec train --features ...` per family, same steps, batch, learning rate and 4096-token draft
 #             vocabulary (EAGLE-3 included, so it meets the others on an equal budget); Medusa-2 trains a LoRA adapter
 #             on the target with its heads, which changes the target's features, so it reads the same answers with
@@ -26,14 +28,18 @@ if [ ! -e "$DATA" ]; then  # write the data first
         *) echo "no training data at $DATA" >&2; exit 1 ;;
     esac
 fi
-test -f "$RUN/features/index.json" || hf-specdec dump-features --target smollm2 --data "$DATA" --output-dir "$RUN/features" --layer-ids 2 15 27 \
-    --max-length 512 --batch-size 8
+FEATURES=${FEATURES:-runs/smollm2-scaling/features-train}
+EVAL_FEATURES=${EVAL_FEATURES:-runs/smollm2-scaling/features-eval}
+DTYPE=${DTYPE:-bfloat16}  # the target's dtype the features were dumped in (its soft labels)
+test -f "$FEATURES/index.json" || python scripts/train_smollm2_scaling.py --data "$DATA" --target-dtype "$DTYPE" --dump-only
+budget=()
+if [ -n "${EXAMPLES:-}" ]; then budget=(--max-train-examples "$EXAMPLES"); fi
 for family in $FAMILIES; do
     out="$RUN/$family"
     if [ -f "$out/training_record.json" ]; then echo "$family: done"; continue; fi
     resume=()
     if ls -d "$out"/checkpoint-* >/dev/null 2>&1; then resume=(--resume); fi
-    source=(--features "$RUN/features")
+    source=(--features "$FEATURES" --eval-features "$EVAL_FEATURES" "${budget[@]}")
     if [ "$family" = medusa2 ]; then source=(--data "$DATA" --max-length 512); fi
     extra=()  # MTP: two chained modules, the second reused for longer drafts and trained for it (4 unrolled steps)
     if [ "$family" = mtp ]; then extra=(--config num_mtp_modules=2 --ttt-steps 4); fi
@@ -43,7 +49,7 @@ for family in $FAMILIES; do
     drafter=$family  # SpecBlock without the layer-wise shift: the ablation, same budget
     if [ "$family" = specblock-noshift ]; then drafter=specblock; extra=(--config layer_shift=false); fi
     if [ "$family" = specblock-allslots ]; then drafter=specblock; extra=(--config context_slots=all); fi
-    hf-specdec train --target smollm2 --drafter "$drafter" "${source[@]}" --output-dir "$out" \
+    hf-specdec train --target smollm2 --dtype "$DTYPE" --drafter "$drafter" "${source[@]}" --output-dir "$out" \
         --draft-vocab-size 4096 --max-steps "$STEPS" --epochs "$EPOCHS" --batch-size 8 --lr 1e-3 --save-steps 100 --eval-steps 100 \
         --logging-steps 20 --report-to none "${extra[@]}" "${resume[@]}"
 done

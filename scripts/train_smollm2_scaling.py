@@ -6,7 +6,9 @@
    every size and every later growth of the data; the training records are taken in shard order;
 2. features: the target runs once over the held-out set and once over the largest training prefix, and the hidden
    states the drafter reads are stored (``dump_features``, resumable shard by shard; not committed: rebuilt by this
-   command);
+   command; ``--dump-only`` stops here, the family script reads the same dumps). The target runs in bf16 by default
+   (``--target-dtype``): the dtype the data's answers were generated in, 2.4x faster than fp32 on this CPU; the
+   soft labels then come from the same bf16 target, and the drafter is measured against the fp32 target too;
 3. training: one drafter per size in ``--sizes`` (answer tokens of training data), each for ``--epochs`` epochs on its
    prefix of the dump, scored on the same held-out features (acc_0..4, simulated tau); resumable (a killed size
    resumes from its last checkpoint, finished sizes are skipped);
@@ -80,7 +82,10 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--save-steps", type=int, default=200)
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16"], help="bf16 autocast (CPUs with bf16)")
+    p.add_argument("--target-dtype", default="bfloat16",
+                   help="the target's dtype for the feature dumps and the soft labels (the data was generated in bf16)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dump-only", action="store_true", help="write the two feature dumps and stop (the families use them)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -91,7 +96,8 @@ def main(argv=None):
     from hf_specdec.training.recipes import train_drafter
     from hf_specdec.training.trainer import DrafterTrainingArguments
 
-    target, tokenizer = load_smollm2()
+    target, tokenizer = load_smollm2(dtype=args.target_dtype)
+    target.eval()
     train_records, eval_records = split_records(read_distill_dataset(args.data), args.eval_every)
     sizes = sorted(args.sizes)
     largest = prefix_for_tokens(train_records, sizes[-1])
@@ -101,9 +107,11 @@ def main(argv=None):
     eval_info = dump(target, tokenizer, eval_records, config, os.path.join(args.out, "features-eval"), args.max_length)
     dump(target, tokenizer, train_records[:largest], config, os.path.join(args.out, "features-train"), args.max_length)
     print(f"held out: {len(eval_records)} records ({eval_info['tokens']} tokens); training pool: {largest} records")
+    if args.dump_only:
+        return
 
     rows = []
-    for size in sizes:
+    for size in reversed(sizes):  # the largest (the shipped drafter) first
         n = prefix_for_tokens(train_records, size)
         out = os.path.join(args.out, f"size-{size}")
         targs = DrafterTrainingArguments(
@@ -129,7 +137,7 @@ def main(argv=None):
         ev = record.get("final_eval") or {}
         print(f"{size}: {n} records, {answer_tokens} answer tokens, held-out acc_0 {ev.get('acc_0')}, "
               f"simulated tau {ev.get('simulated_tau')}")  # fmt: skip
-    write_results(args, rows, len(eval_records))
+    write_results(args, rows[::-1], len(eval_records))
 
 
 def write_results(args, rows, n_eval):
@@ -141,7 +149,7 @@ def write_results(args, rows, n_eval):
         "held_out_records": n_eval,
         "settings": {
             k: getattr(args, k)
-            for k in ("epochs", "k", "draft_vocab_size", "batch_size", "lr", "max_length", "mixed_precision")
+            for k in ("epochs", "k", "draft_vocab_size", "batch_size", "lr", "max_length", "mixed_precision", "target_dtype")
         },
         "command": "python scripts/train_smollm2_scaling.py " + shlex.join(sys.argv[1:]),
         "rows": rows,

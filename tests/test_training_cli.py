@@ -183,6 +183,13 @@ def test_a_fixed_held_out_dump_and_a_training_prefix(workspace, tmp_path):
     assert record["train_examples"] == 4 and record["eval_examples"] == 3
     with pytest.raises(ValueError, match="offline features"):
         train_drafter(target, tok, records, args, max_train_examples=4)
+    # The same through the command line (how the family script shares one dump and one held-out set).
+    out = tmp_path / "cli-out"
+    assert cli(["train", "--target", str(root / "target"), "--features", str(tmp_path / "train"), "--eval-features",
+                str(tmp_path / "eval"), "--max-train-examples", "5", "--output-dir", str(out), "--max-steps", "1",
+                "--batch-size", "2", "--report-to", "none"]) == 0  # fmt: skip
+    record = json.loads((out / "training_record.json").read_text())
+    assert record["train_examples"] == 5 and record["eval_examples"] == 3
 
 
 def test_distill_command_builds_shards_from_the_users_prompts(workspace, tmp_path):

@@ -201,6 +201,8 @@ def _train(args) -> int:
         drafter=args.drafter,
         drafter_overrides=_drafter_overrides(args),
         features_dir=args.features,
+        eval_features_dir=args.eval_features,
+        max_train_examples=args.max_train_examples,
         max_length=args.max_length,
         eval_fraction=args.eval_fraction,
         resume=args.resume,
@@ -1019,6 +1021,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--data", default=None, help="JSONL training data (chat, prompt/response, text or token ids)")
     p.add_argument("--features", default=None, help="offline features directory from dump-features")
+    p.add_argument(
+        "--eval-features", default=None, help="a separate dump that is the held-out set (with --features)"
+    )
+    p.add_argument("--max-train-examples", type=int, default=None, help="train on this many leading examples")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
     p.add_argument("--max-length", type=int, default=2048)
@@ -1062,7 +1068,7 @@ _POSITIVE_INT_OPTIONS = (
     "k", "max_new_tokens", "num_draft_tokens", "repeats", "prompts", "threads", "train_steps", "tree_depth",
     "tree_top_k", "tree_total_tokens", "assistant_tokens", "max_prompts", "max_prompt_tokens", "batch_size",
     "max_length", "grad_accum", "ttt_steps", "draft_vocab_size", "save_steps", "eval_steps", "logging_steps",
-    "lora_r", "lora_alpha", "target_num_layers",
+    "lora_r", "lora_alpha", "target_num_layers", "max_train_examples",
 )  # fmt: skip
 
 
