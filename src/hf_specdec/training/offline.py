@@ -392,7 +392,8 @@ def dump_features(
 ) -> dict:
     """Runs the frozen target over ``examples`` and writes the drafter's target features to ``output_dir``.
 
-    Examples are processed in order, in right-padded batches of ``batch_size`` (with an attention mask) through
+    Examples are processed shard by shard, in right-padded batches of ``batch_size`` (with an attention mask; within a
+    shard, examples of similar length are batched together) through
     :func:`~hf_specdec.training.features.capture_target_features`; padding is stripped before writing. Examples are
     grouped into shards of at least ``shard_tokens`` tokens (the last one may be smaller); each shard is streamed to a
     temporary file and renamed into place, then ``index.json`` is rewritten atomically.
@@ -564,6 +565,8 @@ def dump_features(
 
     try:
         for shard_ids in _plan_shards(todo, lengths, shard_tokens):
+            # Within a shard, examples of similar length share a batch (less padding); ids keep them apart.
+            shard_ids = sorted(shard_ids, key=lambda i: lengths[i])
             while _SHARD_PATTERN.format(next_number) in used:
                 next_number += 1
             file_name = _SHARD_PATTERN.format(next_number)
@@ -603,7 +606,7 @@ def dump_features(
                 writer.abort()
                 raise
             completed.append(
-                {"file": file_name, "example_ids": list(shard_ids), "num_tokens": sum(lengths[i] for i in shard_ids)}
+                {"file": file_name, "example_ids": sorted(shard_ids), "num_tokens": sum(lengths[i] for i in shard_ids)}
             )
             used.add(file_name)
             index = write_index()
