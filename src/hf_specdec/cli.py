@@ -925,7 +925,7 @@ def build_parser() -> argparse.ArgumentParser:
         "convert",
         help="import a drafter written by another project (layouts: --list) or export one to such a layout",
     )
-    p.add_argument("src", nargs="?", help="source checkpoint folder")
+    p.add_argument("src", nargs="?", help="source checkpoint: a folder or a Hub repo id")
     p.add_argument("out", nargs="?", help="output folder")
     p.add_argument("--from", dest="from_layout", default="auto", help="source layout (default: detect)")
     p.add_argument("--to", default=None, help="export an hf_specdec drafter to this layout instead")
@@ -1021,9 +1021,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--data", default=None, help="JSONL training data (chat, prompt/response, text or token ids)")
     p.add_argument("--features", default=None, help="offline features directory from dump-features")
-    p.add_argument(
-        "--eval-features", default=None, help="a separate dump that is the held-out set (with --features)"
-    )
+    p.add_argument("--eval-features", default=None, help="a separate dump that is the held-out set (with --features)")
     p.add_argument("--max-train-examples", type=int, default=None, help="train on this many leading examples")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")

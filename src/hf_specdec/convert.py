@@ -4,7 +4,8 @@ A :class:`Layout` knows how to recognise a foreign checkpoint folder, turn it in
 write an hf_specdec drafter in that layout. Each drafter family registers its layouts from its own folder
 (``models/<family>/convert_<family>.py`` calling :func:`register_layout`); nothing here knows a family.
 
-Detection reads only ``config.json`` and the tensor names (``safetensors.safe_open``), never the weights.
+A checkpoint is a local folder or a Hub repo (``hf_specdec.checkpoint_files`` finds and fetches its files).
+Detection reads only ``config.json`` and the tensor names (weight index or safetensors headers), never the weights.
 Foreign configs often leave target facts out (e.g. the target's depth); a layout's loader then leaves them
 unresolved, and :meth:`~hf_specdec.DrafterPreTrainedModel.bind_target` fills them in from the target (``generate``
 binds it). ``hf-specdec convert --list`` lists the registered layouts.
@@ -17,7 +18,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
+from .checkpoint_files import CheckpointFiles, open_checkpoint
 
 __all__ = [
     "Layout",
@@ -26,6 +27,7 @@ __all__ = [
     "read_checkpoint_header",
     "detect_layout",
     "import_drafter",
+    "not_a_known_layout",
     "export_drafter",
     "write_checkpoint",
 ]
@@ -46,6 +48,9 @@ class Layout:
         save: ``(drafter, out_dir, target) -> None`` (``None``: import only); ``target`` is the target model passed
             to :func:`export_drafter` or the one the drafter is bound to (``None`` if neither), for layouts that
             must ship target weights (e.g. embeddings).
+        needed_tensors: ``(config_dict, weight_names) -> names`` of the tensors ``load`` reads (``None``: all of
+            them), for layouts that take a few tensors of a large checkpoint (a few layers of a target checkpoint):
+            only the files holding them are read, and downloaded from the Hub.
     """
 
     name: str
@@ -54,6 +59,7 @@ class Layout:
     detect: Callable[[dict, set], bool] | None = None
     load: Callable[[dict, dict, dict], object] | None = None
     save: Callable[[object, str, object], None] | None = None
+    needed_tensors: Callable[[dict, set], set] | None = None
 
 
 LAYOUTS: dict[str, Layout] = {}
@@ -78,65 +84,15 @@ def write_checkpoint(out_dir: str, config: dict, tensors: dict) -> None:
         json.dump(config, fh, indent=2)
 
 
-def _read_config(path: str) -> dict:
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"No checkpoint folder at {path!r}.")
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(f"{path} has no config.json; a drafter checkpoint folder needs one.")
-    with open(config_path, encoding="utf-8") as fh:
-        return json.load(fh)
+def read_checkpoint_header(path, **hub_options) -> tuple[dict, set[str]]:
+    """``config.json`` and the tensor names of a checkpoint folder or Hub repo, without loading the weights.
 
-
-def _read_checkpoint(path: str) -> tuple[dict, dict]:
-    """``config.json`` and all weights of a checkpoint folder (safetensors, sharded or not, or ``pytorch_model.bin``)."""
-    config = _read_config(path)
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    state: dict[str, torch.Tensor] = {}
-    if files:
-        from safetensors.torch import load_file
-
-        for name in files:
-            try:
-                state.update(load_file(os.path.join(path, name)))
-            except Exception as err:  # safetensors raises its own error types
-                msg = f"Cannot read {os.path.join(path, name)}: {err}. The file is corrupt or truncated."
-                raise ValueError(msg) from err
-    else:
-        bins = sorted(f for f in os.listdir(path) if f.endswith(".bin") or f.endswith(".pt"))
-        if not bins:
-            raise ValueError(f"{path} holds no weights (*.safetensors, pytorch_model.bin).")
-        for name in bins:
-            state.update(torch.load(os.path.join(path, name), map_location="cpu", weights_only=True))
-    return config, state
-
-
-def read_checkpoint_header(path: str) -> tuple[dict, set[str]]:
-    """``config.json`` and the tensor names of a checkpoint folder, without loading the weights.
-
-    Safetensors names come from the file headers (``safe_open``); a ``pytorch_model.bin`` is memory-mapped.
+    Names come from the weight index or the safetensors headers (read remotely for a Hub repo); a
+    ``pytorch_model.bin`` without an index is memory-mapped (downloaded first from the Hub). ``hub_options``:
+    ``subfolder``, ``revision``, ``token``, ``cache_dir``, ``local_files_only``, as in ``from_pretrained``.
     """
-    config = _read_config(path)
-    names: set[str] = set()
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if files:
-        from safetensors import safe_open
-
-        for name in files:
-            try:
-                with safe_open(os.path.join(path, name), framework="pt") as fh:
-                    names.update(fh.keys())
-            except Exception as err:  # safetensors raises its own error types
-                msg = f"Cannot read {os.path.join(path, name)}: {err}. The file is corrupt or truncated."
-                raise ValueError(msg) from err
-        return config, names
-    for name in sorted(f for f in os.listdir(path) if f.endswith(".bin") or f.endswith(".pt")):
-        file = os.path.join(path, name)
-        try:
-            names.update(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
-        except RuntimeError:  # legacy (non-zip) pickles cannot be memory-mapped
-            names.update(torch.load(file, map_location="cpu", weights_only=True))
-    return config, names
+    files = open_checkpoint(path, **hub_options)
+    return files.config, set(files.weight_map)
 
 
 def _find_layout(config: dict, names: set[str]) -> Layout | None:
@@ -148,13 +104,22 @@ def _find_layout(config: dict, names: set[str]) -> Layout | None:
     return None
 
 
-def detect_layout(path: str) -> str | None:
-    """Name of the registered layout a checkpoint folder is in, or ``None`` (e.g. an hf_specdec checkpoint).
+def detect_layout(source, **hub_options) -> str | None:
+    """Name of the registered layout a checkpoint is in, or ``None`` (e.g. an hf_specdec checkpoint).
 
-    Reads ``config.json`` and the tensor names only.
+    Args:
+        source: a checkpoint folder, a Hub repo id, or a :class:`~hf_specdec.checkpoint_files.CheckpointFiles`.
+        hub_options: ``subfolder``, ``revision``, ``token``, ``cache_dir``, ``local_files_only``.
+
+    Reads ``config.json`` and the tensor names only (from a Hub repo: the weight index or the safetensors headers).
     """
-    found = _find_layout(*read_checkpoint_header(path))
+    files = _checkpoint_files(source, hub_options)
+    found = _find_layout(files.config, set(files.weight_map))
     return None if found is None else found.name
+
+
+def _checkpoint_files(source, hub_options: dict) -> CheckpointFiles:
+    return source if isinstance(source, CheckpointFiles) else open_checkpoint(source, **hub_options)
 
 
 def _target_info(target_config=None, target_num_hidden_layers: int | None = None) -> dict:
@@ -173,32 +138,56 @@ def _target_info(target_config=None, target_num_hidden_layers: int | None = None
     return info
 
 
-def import_drafter(path: str, layout: str = "auto", target_config=None, target_num_hidden_layers: int | None = None):
+def import_drafter(
+    source, layout: str = "auto", target_config=None, target_num_hidden_layers: int | None = None, **hub_options
+):
     """Loads a checkpoint written by another project as an hf_specdec drafter.
 
     Args:
-        path: the checkpoint folder.
+        source: the checkpoint folder, a Hub repo id, or a :class:`~hf_specdec.checkpoint_files.CheckpointFiles`.
         layout: a registered layout name, or ``"auto"`` to detect it.
         target_config: the target's config (checks vocabulary and hidden size; gives its depth). Optional: facts
             the checkpoint does not record are then resolved when the drafter is bound to its target.
         target_num_hidden_layers: the target's depth, when its config is not at hand.
+        hub_options: ``subfolder``, ``revision``, ``token``, ``cache_dir``, ``local_files_only``, as in
+            ``from_pretrained``. From the Hub, only the weight files holding tensors the layout reads are downloaded.
     """
-    if layout == "auto":
-        found = _find_layout(*read_checkpoint_header(path))
-        if found is None:
-            raise ValueError(
-                f"{path} is not in a known layout. Known: {sorted(LAYOUTS)}; pass layout= (--from) explicitly if "
-                "it is one of them, or load hf_specdec checkpoints with AutoModelForDrafting.from_pretrained."
-            )
-        spec = found
-    elif layout in LAYOUTS:
-        spec = LAYOUTS[layout]
-    else:
-        raise ValueError(f"Unknown layout {layout!r}. Known layouts: {sorted(LAYOUTS)}.")
+    files = _checkpoint_files(source, hub_options)
+    spec = _layout_of(files, layout)
     if spec.load is None:
         raise ValueError(f"Layout {spec.name!r} is export-only; importable: {_names(lambda x: x.load)}.")
-    config, state = _read_checkpoint(path)
-    return spec.load(config, state, _target_info(target_config, target_num_hidden_layers))
+    wanted = None if spec.needed_tensors is None else spec.needed_tensors(files.config, set(files.weight_map))
+    state = files.load(wanted)
+    return spec.load(files.config, state, _target_info(target_config, target_num_hidden_layers))
+
+
+def _layout_of(files: CheckpointFiles, layout: str) -> Layout:
+    if layout != "auto":
+        if layout not in LAYOUTS:
+            raise ValueError(f"Unknown layout {layout!r}. Known layouts: {sorted(LAYOUTS)}.")
+        return LAYOUTS[layout]
+    found = _find_layout(files.config, set(files.weight_map))
+    if found is None:
+        raise not_a_known_layout(files)
+    return found
+
+
+def not_a_known_layout(files: CheckpointFiles) -> ValueError:
+    """The error for a checkpoint that no registered layout recognises."""
+    model_type = str(files.config.get("model_type") or "")
+    if model_type.endswith("_drafter"):
+        return ValueError(
+            f"{files.where} is an hf_specdec drafter checkpoint (model_type {model_type!r}), not another project's "
+            "layout: load it with AutoModelForDrafting.from_pretrained."
+        )
+    found = f"model_type {model_type!r}" if model_type else "no model_type"
+    return ValueError(
+        f"{files.where} is not an hf_specdec drafter (its config.json has {found}; hf_specdec drafters have "
+        "'<family>_drafter') and is in none of the other projects' checkpoint layouts hf_specdec recognises: "
+        f"{_names(lambda x: x.load)} (`hf-specdec convert --list` describes them). If it is in one of them all the "
+        "same, name the layout: `hf-specdec convert SRC OUT --from LAYOUT` or "
+        "`hf_specdec.convert.import_drafter(SRC, layout=LAYOUT)`. A target model loads with AutoModelForCausalLM."
+    )
 
 
 def export_drafter(drafter, out_dir: str, layout: str, target=None) -> str:

@@ -49,6 +49,13 @@ def _detect(config: dict, keys: set) -> bool:
     return bool(_num_modules(config)) and layers is not None and f"model.layers.{int(layers)}.eh_proj.weight" in keys
 
 
+def _mtp_tensors(config: dict, keys: set) -> set:
+    """The MTP modules' tensors: a target checkpoint's other weights (its own layers) are never read."""
+    depth = int(config["num_hidden_layers"])
+    prefixes = tuple(f"model.layers.{depth + k}." for k in range(_num_modules(config)))
+    return {k for k in keys if k.startswith(prefixes)}
+
+
 def load_mtp_layers(config: dict, state: dict, target: dict) -> MtpForDrafting:
     depth, num = int(config["num_hidden_layers"]), _num_modules(config)
     if not num:
@@ -134,5 +141,6 @@ register_layout(
         detect=_detect,
         load=load_mtp_layers,
         save=save_mtp_layers,
+        needed_tensors=_mtp_tensors,
     )
 )
