@@ -5,7 +5,7 @@
 #             answers, at most 256 tokens; see its README.md); DATA=... takes another JSONL file or shard folder;
 #   features  dumped once for every family and for the EAGLE-3 scaling curve, by scripts/train_smollm2_scaling.py
 #             (--dump-only when missing): the bf16 target over the training records and, apart, over the fixed
-#             held-out set every family is scored on; the layers EAGLE-3 reads, [2, 15, 27], plus the final state
+#             held-out set every family is scored on (another DATA: its own fp32 dump in $RUN/features); the layers EAGLE-3 reads, [2, 15, 27], plus the final state
 #             every other family reads, which the dump always stores; EXAMPLES=N trains on the first N records;
 #   training  `hf-specdec train --features ...` per family, same steps, batch, learning rate and 4096-token draft
 #             vocabulary (EAGLE-3 included, so it meets the others on an equal budget); Medusa-2 trains a LoRA adapter
@@ -28,10 +28,18 @@ if [ ! -e "$DATA" ]; then  # write the data first
         *) echo "no training data at $DATA" >&2; exit 1 ;;
     esac
 fi
-FEATURES=${FEATURES:-runs/smollm2-scaling/features-train}
-EVAL_FEATURES=${EVAL_FEATURES:-runs/smollm2-scaling/features-eval}
-DTYPE=${DTYPE:-bfloat16}  # the target's dtype the features were dumped in (its soft labels)
-test -f "$FEATURES/index.json" || python scripts/train_smollm2_scaling.py --data "$DATA" --target-dtype "$DTYPE" --dump-only
+if [ "$DATA" = data/smollm2-distill ]; then  # the dumps of the EAGLE-3 scaling curve, bf16 target
+    FEATURES=${FEATURES:-runs/smollm2-scaling/features-train}
+    EVAL_FEATURES=${EVAL_FEATURES:-runs/smollm2-scaling/features-eval}
+    DTYPE=${DTYPE:-bfloat16}  # the target's dtype the features were dumped in (its soft labels)
+    test -f "$FEATURES/index.json" || python scripts/train_smollm2_scaling.py --target-dtype "$DTYPE" --dump-only
+else  # another data file (the old 480 answers): its own dump, fp32 target, a held-out share of it
+    FEATURES=${FEATURES:-$RUN/features}
+    EVAL_FEATURES=${EVAL_FEATURES:-}
+    DTYPE=${DTYPE:-float32}
+    test -f "$FEATURES/index.json" || hf-specdec dump-features --target smollm2 --dtype "$DTYPE" --data "$DATA" \
+        --output-dir "$FEATURES" --layer-ids 2 15 27 --max-length 512 --batch-size 8
+fi
 budget=()
 if [ -n "${EXAMPLES:-}" ]; then budget=(--max-train-examples "$EXAMPLES"); fi
 for family in $FAMILIES; do
@@ -39,7 +47,7 @@ for family in $FAMILIES; do
     if [ -f "$out/training_record.json" ]; then echo "$family: done"; continue; fi
     resume=()
     if ls -d "$out"/checkpoint-* >/dev/null 2>&1; then resume=(--resume); fi
-    source=(--features "$FEATURES" --eval-features "$EVAL_FEATURES" "${budget[@]}")
+    source=(--features "$FEATURES" ${EVAL_FEATURES:+--eval-features "$EVAL_FEATURES"} "${budget[@]}")
     if [ "$family" = medusa2 ]; then source=(--data "$DATA" --max-length 512); fi
     extra=()  # MTP: two chained modules, the second reused for longer drafts and trained for it (4 unrolled steps)
     if [ "$family" = mtp ]; then extra=(--config num_mtp_modules=2 --ttt-steps 4); fi
