@@ -3,7 +3,7 @@
 Layers (a module may import its own layer and the ones below, never one above, not even inside a function):
   1 types      generation/proposals.py, generation/outputs.py, configuration_utils.py, layers.py, features.py
   2 core       modeling_utils, verification/, tree/, convert.py (the layout registry), checkpoint_files.py
-               (folder or Hub repo files), registry.py, auto.py
+               (folder or Hub repo files), speculators_format.py (the speculators envelope), registry.py, auto.py
   3 families   models/<family>/ (a family never imports another family), testing.py (the replay drafter)
   4 consumers  generation/ (the loop, the hook), training/, bench/
   5 top        cards.py, cli.py, demo.py, selfcheck.py, the package's __init__.py
@@ -40,6 +40,7 @@ LAYERS = {
     "tree": CORE,
     "convert": CORE,
     "checkpoint_files": CORE,
+    "speculators_format": CORE,
     "registry": CORE,
     "auto": CORE,
     "models": FAMILIES,

@@ -68,6 +68,7 @@ def drafter_card(
     datasets: list[str] | None = None,
     recommended_settings: dict | None = None,
     limitations: list[str] | None = None,
+    layout: str | None = None,
 ):
     """Builds a :class:`huggingface_hub.ModelCard` for a drafter (an instance or a saved folder).
 
@@ -79,6 +80,7 @@ def drafter_card(
         license, datasets: card metadata.
         recommended_settings: e.g. ``{"verifier": "asd", "asd_budget": 8.0}`` frozen by ``hf-specdec asd-tune``.
         limitations: extra lines for the limitations section.
+        layout: the other project's checkpoint layout the repository holds (``hf-specdec convert --list``), if any.
     """
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -128,6 +130,10 @@ def drafter_card(
         facts.append(("target features", f"`output_hidden_states{list(cfg.target_layer_ids)}`"))
     if cfg.draft_vocab_size and cfg.draft_vocab_size != cfg.target_vocab_size:
         facts.append(("draft vocabulary", f"{cfg.draft_vocab_size} of {cfg.target_vocab_size} tokens"))
+    if layout is not None:
+        from .convert import LAYOUTS
+
+        facts.append(("checkpoint layout", f"`{layout}`: {LAYOUTS[layout].description} (hf_specdec reads it too)"))
     training = []
     if record:
         data = record.get("data") or {}
@@ -202,18 +208,28 @@ def push_drafter(
     token: str | None = None,
     endpoint: str | None = None,
     card: Any = None,
+    layout: str | None = None,
+    target=None,
     **card_kwargs,
 ):
     """Uploads a saved drafter folder and its model card (``README.md``) to ``repo_id``; returns the commit info.
 
     The folder must load with :class:`~hf_specdec.AutoModelForDrafting`. An existing ``README.md`` in it whose
-    ``base_model`` names a different target than the drafter's config is refused.
+    ``base_model`` names a different target than the drafter's config is refused. With ``layout`` (a registered
+    layout, ``hf-specdec convert --list``) the weights are published in that other project's layout instead of
+    hf_specdec's (:func:`~hf_specdec.convert.export_drafter`; ``target``, the target model, for layouts that ship
+    some of its weights); ``AutoModelForDrafting.from_pretrained(repo_id)`` reads either.
     """
     from huggingface_hub import HfApi, ModelCard
 
     from .auto import AutoModelForDrafting
+    from .convert import export_drafter, exportable_layout
 
+    if layout is not None:
+        exportable_layout(layout)  # refused before anything is loaded or uploaded
     drafter = AutoModelForDrafting.from_pretrained(folder)
+    if target is not None:
+        drafter.bind_target(target)
     existing = os.path.join(folder, "README.md")
     if card is None and os.path.isfile(existing):
         old = ModelCard.load(existing)
@@ -225,13 +241,16 @@ def push_drafter(
                 "or pass base_model= if the config's target name is a local path."
             )
     if card is None:
-        card = drafter_card(folder, repo_id=repo_id, **card_kwargs)
+        card = drafter_card(folder, repo_id=repo_id, layout=layout, **card_kwargs)
     api = HfApi(endpoint=endpoint, token=token)
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     if revision is not None:
         api.create_branch(repo_id, branch=revision, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        drafter.save_pretrained(tmp)
+        if layout is None:
+            drafter.save_pretrained(tmp)
+        else:
+            export_drafter(drafter, tmp, layout, target=target)
         for extra in ("training_record.json", "evaluation.json"):
             if os.path.isfile(os.path.join(folder, extra)):
                 with open(os.path.join(folder, extra), "rb") as src, open(os.path.join(tmp, extra), "wb") as dst:
@@ -241,7 +260,9 @@ def push_drafter(
             repo_id=repo_id,
             folder_path=tmp,
             revision=revision,
-            commit_message=commit_message or f"Upload {drafter.config.model_type} drafter with hf_specdec",
+            commit_message=commit_message
+            or f"Upload {drafter.config.model_type} drafter with hf_specdec"
+            + (f" ({layout} layout)" if layout else ""),
         )
 
 

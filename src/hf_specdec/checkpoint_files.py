@@ -159,7 +159,7 @@ class LocalCheckpoint(CheckpointFiles):
     def __init__(self, folder: str, where: str | None = None, missing_hint: str = ""):
         super().__init__(where or folder, missing_hint)
         if not os.path.isdir(folder):
-            raise FileNotFoundError(f"No checkpoint folder at {folder!r}.")
+            raise FileNotFoundError(f"No checkpoint folder at {folder!r}: check the path.")
         self.folder = folder
 
     def list_files(self) -> list[str]:

@@ -698,14 +698,20 @@ def _push(args) -> int:
     card_kwargs = dict(bench=args.bench, base_model=args.base_model, license=args.license, datasets=args.datasets,
                        recommended_settings=recommended)  # fmt: skip
     if args.card_only:
-        card = drafter_card(args.folder, repo_id=args.repo_id, **card_kwargs)
+        card = drafter_card(args.folder, repo_id=args.repo_id, layout=args.layout, **card_kwargs)
         card.save(args.card_only)
         print(f"wrote {args.card_only}")
         return 0
+    target = None
+    if args.target:  # layouts that ship target weights (e.g. embeddings) take them from here
+        from transformers import AutoModelForCausalLM
+
+        target = AutoModelForCausalLM.from_pretrained(args.target)
     info = push_drafter(args.folder, args.repo_id, private=args.private, revision=args.revision,
                         commit_message=args.commit_message, token=args.token, endpoint=args.endpoint,
-                        **card_kwargs)  # fmt: skip
-    print(f"pushed {args.folder} to {args.repo_id}: {getattr(info, 'commit_url', info)}")
+                        layout=args.layout, target=target, **card_kwargs)  # fmt: skip
+    where = f" in the {args.layout!r} layout" if args.layout else ""
+    print(f"pushed {args.folder} to {args.repo_id}{where}: {getattr(info, 'commit_url', info)}")
     return 0
 
 
@@ -952,6 +958,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", default=None)
     p.add_argument("--endpoint", default=None, help="Hub endpoint (default: huggingface.co or HF_ENDPOINT)")
     p.add_argument("--card-only", default=None, metavar="PATH", help="only write the card to PATH, upload nothing")
+    p.add_argument(
+        "--layout",
+        default=None,
+        help="publish the weights in another project's layout instead of hf_specdec's (names: hf-specdec convert --list)",
+    )
+    p.add_argument("--target", default=None, help="the target, for layouts that ship some of its weights")
     p.set_defaults(func=_push)
 
     p = sub.add_parser("regenerate", help="self-distillation: let the target answer the prompts of a data set")

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .checkpoint_files import CheckpointFiles, open_checkpoint
+from .speculators_format import LAYOUT_SUFFIX, unsupported_speculators_type
 
 __all__ = [
     "Layout",
@@ -174,6 +175,10 @@ def _layout_of(files: CheckpointFiles, layout: str) -> Layout:
 
 def not_a_known_layout(files: CheckpointFiles) -> ValueError:
     """The error for a checkpoint that no registered layout recognises."""
+    speculators = _names(lambda x: x.load and x.name.endswith(LAYOUT_SUFFIX))
+    refused = unsupported_speculators_type(files.config, files.where, speculators)
+    if refused is not None:
+        return refused
     model_type = str(files.config.get("model_type") or "")
     if model_type.endswith("_drafter"):
         return ValueError(
@@ -190,6 +195,15 @@ def not_a_known_layout(files: CheckpointFiles) -> ValueError:
     )
 
 
+def exportable_layout(layout: str) -> Layout:
+    """The registered layout ``layout``, refused with the exportable names when it is unknown or import-only."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"Unknown layout {layout!r}. Known layouts: {sorted(LAYOUTS)}.")
+    if LAYOUTS[layout].save is None:
+        raise ValueError(f"Layout {layout!r} is import-only; exportable: {_names(lambda x: x.save)}.")
+    return LAYOUTS[layout]
+
+
 def export_drafter(drafter, out_dir: str, layout: str, target=None) -> str:
     """Writes ``drafter`` in another project's layout (``config.json`` + ``model.safetensors``); returns ``out_dir``.
 
@@ -200,11 +214,7 @@ def export_drafter(drafter, out_dir: str, layout: str, target=None) -> str:
         target: the target model, for layouts that ship target weights the drafter only borrows (e.g. the token
             embeddings); defaults to the target the drafter is bound to.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"Unknown layout {layout!r}. Known layouts: {sorted(LAYOUTS)}.")
-    spec = LAYOUTS[layout]
-    if spec.save is None:
-        raise ValueError(f"Layout {layout!r} is import-only; exportable: {_names(lambda x: x.save)}.")
+    spec = exportable_layout(layout)
     if drafter.config.model_type != spec.family:
         raise ValueError(
             f"Layout {layout!r} holds {spec.family} drafters; got a {drafter.config.model_type}. Exportable "

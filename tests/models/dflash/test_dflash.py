@@ -32,6 +32,7 @@ class TestDFlashSlidingWindow(TestDFlash):
         "layer_types": ["sliding_attention", "full_attention"],
         "sliding_window": 4,
     }
+    layouts_refusing = {"dflash-speculators": "sliding-window layers"}  # speculators windows from the anchor
 
 
 def test_bad_configs_fail_early():

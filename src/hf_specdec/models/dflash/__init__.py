@@ -2,7 +2,10 @@
 backbone: configs, modeling, checkpoint layouts and the two families' registrations."""
 
 from ...registry import register_drafter
-from . import convert_dflash  # noqa: F401  (registers the z-lab and MuseGlimmer layouts)
+from . import (
+    convert_dflash,  # noqa: F401  (registers the z-lab, MuseGlimmer and DSpark layouts)
+    convert_dflash_speculators,  # noqa: F401  (registers the speculators layouts)
+)
 from .configuration_dflash import DFlashConfig
 from .configuration_dspark import DSparkConfig
 from .modeling_dflash import DFlashDraftState, DFlashForDrafting

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from ...configuration_utils import decoder_layer_fields
 from ...convert import Layout, register_layout, write_checkpoint
+from ...speculators_format import speculators_type
 from .configuration_dflash import DFlashConfig
 from .modeling_dflash import DFlashForDrafting
 
@@ -38,7 +39,7 @@ def _detect_muse(config: dict, keys: set) -> bool:
     return config.get("model_type") == "muse_glimmer_assistant" or "encoder.output_norm_enc.weight" in keys
 
 
-def _load(
+def load_dflash_backbone(
     config: dict,
     state: dict,
     target: dict,
@@ -98,12 +99,12 @@ def load_zlab(config: dict, state: dict, target: dict) -> DFlashForDrafting:
     block.setdefault("block_size", config.get("block_size", 16))
     if "target_layer_ids" not in block or "mask_token_id" not in block:
         raise ValueError("A z-lab DFlash config needs dflash_config.target_layer_ids and dflash_config.mask_token_id.")
-    return _load(config, state, target, block)
+    return load_dflash_backbone(config, state, target, block)
 
 
 def load_muse(config: dict, state: dict, target: dict) -> DFlashForDrafting:
     state = {_ENCODER.get(k, k): v for k, v in state.items()}
-    return _load(config, state, target, config)
+    return load_dflash_backbone(config, state, target, config)
 
 
 def _fields(drafter: DFlashForDrafting) -> dict:
@@ -200,6 +201,8 @@ _OLD_HEAD_PREFIX = "logit_head."  # early SpecForge checkpoints kept the Markov 
 
 
 def _is_dspark(config: dict, keys: set) -> bool:
+    if speculators_type(config) is not None:  # speculators' DSpark has the same heads: its own layout takes it
+        return False
     return (
         "DSparkDraftModel" in (config.get("architectures") or [])
         or config.get("model_type") == "dspark"
@@ -215,23 +218,33 @@ def _detect_dspark_specforge(config: dict, keys: set) -> bool:
     return _is_dspark(config, keys) and isinstance(config.get("dflash_config"), dict)
 
 
+def check_dspark_heads(fields: dict, default_rank: int = 0) -> int:
+    """Checks the DSpark head fields (``markov_head_type``, ``markov_rank``, ``enable_confidence_head``,
+    ``confidence_head_with_markov``; absent ones take the source tool's defaults: vanilla, ``default_rank``, true,
+    true) against hf_specdec's heads (a vanilla Markov head, a confidence head on ``[h; W1[x]]``); returns the rank."""
+    kind = str(fields.get("markov_head_type", "vanilla")).lower()
+    rank = int(fields.get("markov_rank", default_rank) or 0)
+    if kind != "vanilla" or rank <= 0:
+        raise ValueError(
+            f"hf_specdec's DSpark has the vanilla Markov head; this checkpoint has markov_head_type={kind!r}, "
+            f"markov_rank={rank}."
+        )
+    if not fields.get("enable_confidence_head", True) or not fields.get("confidence_head_with_markov", True):
+        raise ValueError(
+            "hf_specdec's DSpark needs the confidence head on [h; W1[x]] (its scheduler reads it); this checkpoint "
+            "has none or reads h alone (enable_confidence_head / confidence_head_with_markov false). Retrain the "
+            "head (hf-specdec train --drafter dspark starting from it)."
+        )
+    return rank
+
+
 def _dspark_options(config: dict) -> dict:
     """The DSpark fields of a flat (DeepSpec) or nested (SpecForge ``dflash_config``) config, checked against what
     hf_specdec's DSpark is: a vanilla Markov head, a confidence head on ``[h; W1[x]]``, non-causal softmax attention
     over ``[context; block]``, the full vocabulary, labels not shifted."""
     nested = config.get("dflash_config") or {}
     merged = {**config, **nested}
-    kind = str(merged.get("markov_head_type", "vanilla")).lower()
-    rank = int(merged.get("markov_rank") or 0)
-    if kind != "vanilla" or rank <= 0:
-        raise ValueError(
-            f"hf_specdec's DSpark has the vanilla Markov head; this checkpoint has {kind!r} (rank {rank})."
-        )
-    if not merged.get("enable_confidence_head", True) or not merged.get("confidence_head_with_markov", True):
-        raise ValueError(
-            "hf_specdec's DSpark needs the confidence head on [h; W1[x]] (its scheduler reads it); this checkpoint "
-            "has none or reads h alone. Retrain the head (hf-specdec train --drafter dspark starting from it)."
-        )
+    rank = check_dspark_heads(merged)
     modes = nested.get("attention_modes") or [nested.get("attention_mode", "gqa")]
     odd = sorted({str(m).lower() for m in modes} - set(_CONTEXT_ATTENTION))
     if odd:
@@ -274,7 +287,9 @@ def _load_dspark(config: dict, state: dict, target: dict):
                 "it was trained for another target (or a restricted draft vocabulary without its id map)."
             )
     state = {k: v for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}
-    return _load(config, state, target, opts["block"], DSparkConfig, DSparkForDrafting, markov_rank=opts["markov_rank"])
+    return load_dflash_backbone(
+        config, state, target, opts["block"], DSparkConfig, DSparkForDrafting, markov_rank=opts["markov_rank"]
+    )
 
 
 def load_dspark(config: dict, state: dict, target: dict):

@@ -1,7 +1,10 @@
 """EAGLE-3 (Li et al. 2025, arXiv 2503.01840): config, modeling, checkpoint layouts and the family's registration."""
 
 from ...registry import register_drafter
-from . import convert_eagle3  # noqa: F401  (registers the SafeAILab / SpecForge / vLLM / ModelOpt layouts)
+from . import (
+    convert_eagle3,  # noqa: F401  (registers the SafeAILab / SpecForge / vLLM / ModelOpt layouts)
+    convert_eagle3_speculators,  # noqa: F401  (registers the speculators layout)
+)
 from .configuration_eagle3 import Eagle3Config
 from .modeling_eagle3 import Eagle3DraftState, Eagle3ForDrafting, Eagle3Output
 

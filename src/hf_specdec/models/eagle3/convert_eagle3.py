@@ -30,10 +30,11 @@ import torch
 
 from ...convert import Layout, register_layout, write_checkpoint
 from ...layers import rope_scaling_from_config
+from ...speculators_format import target_embedding
 from .configuration_eagle3 import Eagle3Config
 from .modeling_eagle3 import Eagle3ForDrafting
 
-__all__ = ["load_eagle3", "save_eagle3", "eagle3_config_dict"]
+__all__ = ["load_eagle3", "save_eagle3", "eagle3_tensors", "eagle3_config_dict"]
 
 _LAYER_KEYS = (
     "input_layernorm.weight",
@@ -175,8 +176,10 @@ def _feature_ids(config: dict) -> list[int] | None:
     return None
 
 
-def load_eagle3(config: dict, state: dict, target: dict, renames=()) -> Eagle3ForDrafting:
-    """Builds an :class:`Eagle3ForDrafting` from a foreign config dict and state dict (see the module docstring)."""
+def load_eagle3(config: dict, state: dict, target: dict, renames=(), feature_ids=None) -> Eagle3ForDrafting:
+    """Builds an :class:`Eagle3ForDrafting` from a foreign config dict and state dict (see the module docstring);
+    ``feature_ids``: the target layers read, as ``output_hidden_states`` indices, for layouts that record them in
+    their own way (default: from the config's ``eagle_aux_hidden_state_layer_ids``, output-of-layer numbering)."""
     check_config_keys(config)
     weights = {}
     for key, value in state.items():
@@ -215,7 +218,7 @@ def load_eagle3(config: dict, state: dict, target: dict, renames=()) -> Eagle3Fo
     fc_in = weights["fc.weight"].shape[1]
     if fc_in % target_hidden:
         raise ValueError(f"fc.weight reads {fc_in} features, not a multiple of the target width {target_hidden}.")
-    layer_ids = _feature_ids(config)
+    layer_ids = _feature_ids(config) if feature_ids is None else [int(i) for i in feature_ids]
     # Depth: from the target, else from an hf_specdec export's provenance; else resolved by bind_target.
     depth = target.get("num_hidden_layers") or (config.get("hf_specdec") or {}).get("target_num_hidden_layers")
     if layer_ids is None and depth is not None:
@@ -343,23 +346,25 @@ def _safeailab_rope_scaling(cfg: Eagle3Config) -> dict | None:
     return None if rope is None else {"type": rope["rope_type"], "factor": float(rope["factor"])}
 
 
-def save_eagle3(drafter: Eagle3ForDrafting, out_dir: str, layer_prefix: str, with_t2d: bool, target=None) -> None:
-    """Writes ``config.json`` + ``model.safetensors``; with ``target``, the target's token embeddings too."""
+def eagle3_tensors(drafter: Eagle3ForDrafting, layer_prefix: str, maps: tuple[str, ...], target=None) -> dict:
+    """The drafter's tensors with the draft layer under ``layer_prefix``, of the vocabulary maps only ``maps``
+    (``d2t`` / ``t2d``); with ``target``, the target's token embeddings too."""
     tensors = {}
     for key, value in drafter.state_dict().items():
-        if key == "t2d" and not with_t2d:
+        if key in ("d2t", "t2d") and key not in maps:
             continue
         if key.startswith("midlayer."):
             key = layer_prefix + key[len("midlayer.") :]
-        tensors[key] = value.detach().cpu().contiguous()
-    config = eagle3_config_dict(drafter, with_t2d)
-    if target is not None:
-        emb = target.get_input_embeddings().weight
-        want = (drafter.config.target_vocab_size, drafter.config.hidden_size)
-        if tuple(emb.shape) != want:
-            raise ValueError(f"The target's embeddings are {tuple(emb.shape)}, the drafter expects {want}.")
-        tensors["embed_tokens.weight"] = emb.detach().to(drafter.dtype).cpu().contiguous()
-    write_checkpoint(out_dir, config, tensors)
+        tensors[key] = value
+    return {**tensors, **target_embedding(drafter, target)}
+
+
+def save_eagle3(drafter: Eagle3ForDrafting, out_dir: str, layer_prefix: str, with_t2d: bool, target=None) -> None:
+    """Writes ``config.json`` + ``model.safetensors``; with ``target``, the target's token embeddings too."""
+    maps = ("d2t", "t2d") if with_t2d else ("d2t",)
+    write_checkpoint(
+        out_dir, eagle3_config_dict(drafter, with_t2d), eagle3_tensors(drafter, layer_prefix, maps, target)
+    )
 
 
 def _save_safeailab(drafter: Eagle3ForDrafting, out_dir: str, target) -> None:

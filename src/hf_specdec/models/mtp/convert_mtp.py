@@ -17,6 +17,7 @@ import re
 
 from ...configuration_utils import decoder_layer_config_dict, decoder_layer_fields
 from ...convert import Layout, register_layout, write_checkpoint
+from ...speculators_format import register_speculators_refusal
 from .configuration_mtp import MtpConfig
 from .modeling_mtp import MtpForDrafting
 
@@ -132,6 +133,13 @@ def save_mtp_layers(drafter: MtpForDrafting, out_dir: str, target=None) -> None:
     write_checkpoint(out_dir, config, state)
 
 
+register_speculators_refusal(
+    "mtp",
+    "speculators builds its MTP layer from the target's own decoder layer class (Qwen3 with q_norm / k_norm, or the "
+    "hybrid Qwen3-Next / Qwen3.5 layers) with hidden_layernorm / token_layernorm / input_proj / final_layernorm, which "
+    "hf_specdec's MTP module (a dense Llama-style layer) does not reproduce; a target with its own MTP layers runs "
+    "them with transformers' own MTP support (use_mtp)",
+)
 register_layout(
     Layout(
         name="mtp-layers",
