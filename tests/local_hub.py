@@ -427,3 +427,21 @@ class LocalHub:
             server.server_close()
         for thread in self.threads:
             thread.join(timeout=5)
+
+
+def point_client_at(server: LocalHub, monkeypatch, tmp_path) -> None:
+    """Points huggingface_hub at ``server`` for one test, with a cache of its own under ``tmp_path``.
+
+    The local hub speaks the LFS batch protocol, not Xet: without ``HF_HUB_DISABLE_XET`` an installed hf_xet would
+    ask for a Xet token, an endpoint the local hub does not implement.
+    """
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", server.endpoint)
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    )
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import make_target, ragged_batch
 from huggingface_hub import HfApi, constants
-from local_hub import LocalHub
+from local_hub import LocalHub, point_client_at
 from safetensors.torch import save_file
 
 from hf_specdec import AutoModelForDrafting, MtpConfig
@@ -39,11 +39,7 @@ def _point_client_at(monkeypatch, endpoint: str) -> None:
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
     with LocalHub() as server:
-        _point_client_at(monkeypatch, server.endpoint)
-        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-        monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)  # the local hub speaks LFS, not Xet
-        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
-        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+        point_client_at(server, monkeypatch, tmp_path)
         monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
         yield server
         assert server.unknown == [], f"the client called endpoints the local hub does not implement: {server.unknown}"

@@ -13,8 +13,8 @@ import urllib.request
 import pytest
 import torch
 from helpers import make_target, ragged_batch
-from huggingface_hub import HfApi, ModelCard, constants, hf_hub_download
-from local_hub import LocalHub
+from huggingface_hub import HfApi, ModelCard, hf_hub_download
+from local_hub import LocalHub, point_client_at
 from safetensors.torch import load
 
 from hf_specdec import AutoModelForDrafting, Eagle3Config
@@ -27,16 +27,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>' to upload ra
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
     with LocalHub() as server:
-        monkeypatch.setattr(constants, "ENDPOINT", server.endpoint)
-        monkeypatch.setattr(
-            constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
-        )
-        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-        # The local hub speaks the LFS batch protocol, not Xet: without this, an installed hf_xet would ask for a
-        # Xet token (an endpoint the local hub does not implement, so the test would fail below).
-        monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
-        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
-        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+        point_client_at(server, monkeypatch, tmp_path)
         yield server
         assert server.unknown == [], f"the client called endpoints the local hub does not implement: {server.unknown}"
 

@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 from helpers import make_target, ragged_batch
-from huggingface_hub import ModelCard, constants
-from local_hub import LocalHub
+from huggingface_hub import ModelCard
+from local_hub import LocalHub, point_client_at
 from safetensors.torch import load_file
 
 from hf_specdec import AutoModelForDrafting, DFlashConfig, DSparkConfig, Eagle3Config
@@ -227,14 +227,7 @@ def test_export_without_a_target_and_export_refusals(tmp_path):
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
     with LocalHub() as server:
-        monkeypatch.setattr(constants, "ENDPOINT", server.endpoint)
-        monkeypatch.setattr(
-            constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
-        )
-        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-        monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)  # the local hub speaks LFS, not Xet
-        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
-        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+        point_client_at(server, monkeypatch, tmp_path)
         yield server
         assert server.unknown == [], f"the client called endpoints the local hub does not implement: {server.unknown}"
 
