@@ -377,6 +377,33 @@ def _plan_shards(ids: list[int], lengths: list[int], shard_tokens: int) -> list[
     return shards
 
 
+def _check_resumable(old: dict, metadata: dict, output_dir: str) -> None:
+    """Refuses to resume the dump ``old`` (its ``index.json``) with other parameters or from another target; fills in
+    this call's unknown tokenizer hash from the recorded one."""
+    for key in ("layer_ids", "dtype", "num_examples"):
+        if old.get(key) != metadata[key]:
+            raise ValueError(
+                f"Cannot resume the dump in {output_dir}: it has {key}={old.get(key)!r} but this call has "
+                f"{key}={metadata[key]!r}. Use the same parameters, another output_dir, or resume=False."
+            )
+    recorded = old.get("target_fingerprint")
+    diffs = (
+        ["fingerprint (none recorded)"]
+        if not recorded
+        else _fingerprint_mismatch(recorded, metadata["target_fingerprint"])
+    )
+    if diffs and old.get("shards"):
+        raise ValueError(
+            f"Cannot resume the dump in {output_dir}: it was made from target "
+            f"{_describe_target(recorded or {'name_or_path': old.get('target_name_or_path')})} "
+            f"and this call uses {_describe_target(metadata['target_fingerprint'])}; they differ in "
+            f"{', '.join(diffs)}. Dump the features again for this target (resume=False / --no-resume) or "
+            "use another output_dir."
+        )
+    if metadata["target_fingerprint"]["tokenizer_sha256"] is None:
+        metadata["target_fingerprint"]["tokenizer_sha256"] = (recorded or {}).get("tokenizer_sha256")
+
+
 def dump_features(
     target: nn.Module,
     examples: Sequence[dict],
@@ -475,28 +502,7 @@ def dump_features(
                 raise ValueError(f"Cannot resume: {index_path} is unreadable ({e}). Use resume=False.") from e
             old = {}
         if resume:
-            for key in ("layer_ids", "dtype", "num_examples"):
-                if old.get(key) != metadata[key]:
-                    raise ValueError(
-                        f"Cannot resume the dump in {output_dir}: it has {key}={old.get(key)!r} but this call has "
-                        f"{key}={metadata[key]!r}. Use the same parameters, another output_dir, or resume=False."
-                    )
-            recorded = old.get("target_fingerprint")
-            diffs = (
-                ["fingerprint (none recorded)"]
-                if not recorded
-                else _fingerprint_mismatch(recorded, metadata["target_fingerprint"])
-            )
-            if diffs and old.get("shards"):
-                raise ValueError(
-                    f"Cannot resume the dump in {output_dir}: it was made from target "
-                    f"{_describe_target(recorded or {'name_or_path': old.get('target_name_or_path')})} "
-                    f"and this call uses {_describe_target(metadata['target_fingerprint'])}; they differ in "
-                    f"{', '.join(diffs)}. Dump the features again for this target (resume=False / --no-resume) or "
-                    "use another output_dir."
-                )
-            if metadata["target_fingerprint"]["tokenizer_sha256"] is None:
-                metadata["target_fingerprint"]["tokenizer_sha256"] = (recorded or {}).get("tokenizer_sha256")
+            _check_resumable(old, metadata, output_dir)
             for shard in old.get("shards", []):
                 path = os.path.join(output_dir, shard["file"])
                 if os.path.exists(path) and _shard_readable(path):
