@@ -82,10 +82,15 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--save-steps", type=int, default=200)
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16"], help="bf16 autocast (CPUs with bf16)")
-    p.add_argument("--target-dtype", default="bfloat16",
-                   help="the target's dtype for the feature dumps and the soft labels (the data was generated in bf16)")
+    p.add_argument(
+        "--target-dtype",
+        default="bfloat16",
+        help="the target's dtype for the feature dumps and the soft labels (the data was generated in bf16)",
+    )
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--dump-only", action="store_true", help="write the two feature dumps and stop (the families use them)")
+    p.add_argument(
+        "--dump-only", action="store_true", help="write the two feature dumps and stop (the families use them)"
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -149,7 +154,16 @@ def write_results(args, rows, n_eval):
         "held_out_records": n_eval,
         "settings": {
             k: getattr(args, k)
-            for k in ("epochs", "k", "draft_vocab_size", "batch_size", "lr", "max_length", "mixed_precision", "target_dtype")
+            for k in (
+                "epochs",
+                "k",
+                "draft_vocab_size",
+                "batch_size",
+                "lr",
+                "max_length",
+                "mixed_precision",
+                "target_dtype",
+            )
         },
         "command": "python scripts/train_smollm2_scaling.py " + shlex.join(sys.argv[1:]),
         "rows": rows,

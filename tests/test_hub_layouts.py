@@ -119,8 +119,8 @@ def test_a_pickle_under_its_projects_own_file_name(tmp_path, hub):
     from safetensors.torch import load_file
 
     _, folder = _export(tmp_path, "medusa-fasterdecoding")
-    torch.save(load_file(str(folder / "model.safetensors")), folder / "medusa_lm_head.pt")
-    (folder / "model.safetensors").unlink()
+    torch.save(load_file(str(folder / "medusa_lm_head.safetensors")), folder / "medusa_lm_head.pt")
+    (folder / "medusa_lm_head.safetensors").unlink()
     _upload(hub, folder, "org/medusa")
     _assert_same_drafter(
         AutoModelForDrafting.from_pretrained(folder), AutoModelForDrafting.from_pretrained("org/medusa")

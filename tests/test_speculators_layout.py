@@ -180,8 +180,8 @@ def exports(tmp_path_factory):
 @pytest.mark.parametrize(
     "layout, changes, message",
     [
-        ("eagle3-speculators", {"norm_output": True}, "norm_output=True"),
-        ("eagle3-speculators", {"fc_norm": True}, "fc_norm=True"),
+        ("eagle3-speculators", {"fc_norm": True, "norm_before_fc": True}, "fc_norm=True .*norm_before_fc=True"),
+        ("eagle3-speculators", {"fc_norm": True}, r"missing tensors \['fc_norm.0.weight'"),
         ("eagle3-speculators", {"mystery_flag": 1}, "mystery_flag=1"),
         ("dflash-speculators", {"sample_from_anchor": True}, "sample_from_anchor=True"),
         ("dflash-speculators", {"mask_token_id": None}, "mask_token_id=None"),

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import posixpath
+import re
 from functools import cached_property
 
 import torch
@@ -261,11 +263,27 @@ def _safetensors_keys(path: str) -> list[str]:
 
 
 def _read_pickle(path: str) -> dict[str, torch.Tensor]:
-    """A ``pytorch_model.bin`` / ``.pt`` state dict, memory-mapped where the format allows."""
+    """A ``pytorch_model.bin`` / ``.pt`` state dict, memory-mapped where the format allows; only ever unpickled with
+    ``weights_only=True`` (tensors and plain containers), so a pickle that would run code is refused, not run."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # legacy (non-zip) pickles cannot be memory-mapped
-        return torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # legacy (non-zip) pickles cannot be memory-mapped
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise _unsafe_pickle(path, err) from err
+
+
+def _unsafe_pickle(path: str, err: Exception) -> ValueError:
+    found = re.search(r"Unsupported [^\n]*?(?=\. |\n|$)", str(err))  # torch's "Unsupported global: GLOBAL ..."
+    what = found.group(0) if found else "objects it would construct"
+    return ValueError(
+        f"{path} is a pickle holding more than tensors ({what}), so hf_specdec does not read it: it unpickles other "
+        "projects' .bin / .pt files only with torch.load(weights_only=True), since unpickling anything else can run code. If you trust its source, convert "
+        "the checkpoint to safetensors: e.g. `state = torch.load(PATH, weights_only=False)` then "
+        "`safetensors.torch.save_file({k: v for k, v in state.items() if isinstance(v, torch.Tensor)}, "
+        "'model.safetensors')`, put model.safetensors next to config.json instead of the pickle, and load that folder."
+    )
 
 
 def _read_tensors(path: str, is_safetensors: bool, names: list[str]) -> dict[str, torch.Tensor]:

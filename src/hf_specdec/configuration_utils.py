@@ -65,7 +65,9 @@ class DrafterConfig(PretrainedConfig):
             project's layout); :meth:`~hf_specdec.DrafterPreTrainedModel.bind_target` then resolves it, and the
             default ``target_layer_ids``, from the target.
         target_vocab_size (`int`):
-            Size of the target's LM head output (its vocabulary, including any padding rows).
+            Size of the target's LM head output (its vocabulary, including any padding rows). ``None`` when a
+            checkpoint does not record it, for families whose class sets ``resolves_target_vocab_at_bind`` (none of
+            their weights is sized by it); :meth:`~hf_specdec.DrafterPreTrainedModel.bind_target` then resolves it.
         target_layer_ids (`list[int]`, *optional*):
             Which target hidden states the drafter reads, in the convention of the module docstring
             (``output_hidden_states[j]``; 0 = embeddings, ``i + 1`` = output of decoder layer ``i``).
@@ -81,6 +83,10 @@ class DrafterConfig(PretrainedConfig):
     """
 
     model_type = "drafter"
+    # True for a family none of whose weights is sized by the target's vocabulary when it drafts over all of it (it
+    # borrows the target's LM head): a checkpoint that does not record the vocabulary (transformers'
+    # MuseGlimmerAssistantModel) then loads with `target_vocab_size` None, resolved by `bind_target`.
+    resolves_target_vocab_at_bind = False
 
     # Fields are declared as annotated class attributes because transformers 5 configs are dataclasses.
     target_model_name_or_path: str | None = None
@@ -122,13 +128,7 @@ class DrafterConfig(PretrainedConfig):
         _require_int("target_hidden_size", self.target_hidden_size, 1, name)
         # None: not recorded (foreign checkpoints); resolved from the target by `bind_target`.
         _require_int("target_num_hidden_layers", self.target_num_hidden_layers, 1, name, allow_none=True)
-        _require_int("target_vocab_size", self.target_vocab_size, 1, name)
-        _require_int("draft_vocab_size", self.draft_vocab_size, 1, name)
-        if self.draft_vocab_size > self.target_vocab_size:
-            raise ValueError(
-                f"{name}.draft_vocab_size ({self.draft_vocab_size}) cannot exceed target_vocab_size "
-                f"({self.target_vocab_size})."
-            )
+        self._validate_vocabulary(name)
         if self.target_layer_ids is not None and self.target_num_hidden_layers is not None:
             bad = [i for i in self.target_layer_ids if not 0 <= i <= self.target_num_hidden_layers]
             if bad or not self.target_layer_ids:
@@ -137,6 +137,22 @@ class DrafterConfig(PretrainedConfig):
                     f"(0 = embeddings, i + 1 = output of decoder layer i), so each must be in "
                     f"[0, target_num_hidden_layers={self.target_num_hidden_layers}]."
                 )
+
+    def _validate_vocabulary(self, name: str) -> None:
+        if self.target_vocab_size is None and self.resolves_target_vocab_at_bind:
+            # Not recorded (a foreign checkpoint): `bind_target` resolves it, and a full draft vocabulary with it.
+            if self.draft_vocab_size is not None:
+                raise ValueError(
+                    f"{name}.draft_vocab_size ({self.draft_vocab_size}) needs target_vocab_size, which is unset."
+                )
+            return
+        _require_int("target_vocab_size", self.target_vocab_size, 1, name)
+        _require_int("draft_vocab_size", self.draft_vocab_size, 1, name)
+        if self.draft_vocab_size > self.target_vocab_size:
+            raise ValueError(
+                f"{name}.draft_vocab_size ({self.draft_vocab_size}) cannot exceed target_vocab_size "
+                f"({self.target_vocab_size})."
+            )
 
     # -- construction from a target ----------------------------------------------------------------------------------
     @classmethod

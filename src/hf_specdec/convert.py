@@ -24,7 +24,9 @@ from .speculators_format import LAYOUT_SUFFIX, unsupported_speculators_type
 __all__ = [
     "Layout",
     "LAYOUTS",
+    "METADATA_KEYS",
     "register_layout",
+    "register_refusal",
     "read_checkpoint_header",
     "detect_layout",
     "import_drafter",
@@ -45,7 +47,7 @@ class Layout:
         detect: ``(config_dict, weight_names) -> bool`` for auto-detection on import (``None``: never auto-detected).
         load: ``(config_dict, state_dict, target_info) -> drafter`` (``None``: export only). ``target_info`` holds
             what is known of the target (``num_hidden_layers``, ``hidden_size``, ``vocab_size``, ``model_type``,
-            ``name_or_path``; any may be missing).
+            ``name_or_path``, ``config``: its text config; any may be missing).
         save: ``(drafter, out_dir, target) -> None`` (``None``: import only); ``target`` is the target model passed
             to :func:`export_drafter` or the one the drafter is bound to (``None`` if neither), for layouts that
             must ship target weights (e.g. embeddings).
@@ -65,6 +67,31 @@ class Layout:
 
 LAYOUTS: dict[str, Layout] = {}
 
+# Keys any transformers config may carry that never change a drafter's forward pass (names and bookkeeping, dtypes,
+# token ids, generation defaults, output switches): layouts that refuse the config keys they do not read skip these.
+METADATA_KEYS = frozenset(
+    {
+        # names and bookkeeping
+        "_name_or_path", "name_or_path", "_commit_hash", "transformers_version", "auto_map", "finetuning_task",
+        "id2label", "label2id", "problem_type", "tokenizer_class", "prefix", "task_specific_params",
+        "attn_implementation", "_attn_implementation", "_attn_implementation_autoset",
+        # dtypes
+        "torch_dtype", "dtype", "use_bfloat16",
+        # token ids
+        "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "sep_token_id", "cls_token_id",
+        "decoder_start_token_id", "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens",
+        "begin_suppress_tokens", "bad_words_ids",
+        # generation defaults
+        "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+        "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty",
+        "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "num_return_sequences", "output_scores",
+        "return_dict_in_generate", "remove_invalid_values", "exponential_decay_length_penalty",
+        # output switches and run-time options
+        "output_attentions", "output_hidden_states", "return_dict", "use_return_dict", "torchscript", "use_cache",
+        "chunk_size_feed_forward", "tf_legacy_loss", "gradient_checkpointing",
+    }
+)  # fmt: skip
+
 
 def register_layout(layout: Layout) -> Layout:
     """Adds a layout to the registry (a family's conversion module calls this at import time)."""
@@ -74,13 +101,25 @@ def register_layout(layout: Layout) -> Layout:
     return layout
 
 
-def write_checkpoint(out_dir: str, config: dict, tensors: dict) -> None:
-    """Writes a foreign-layout checkpoint: ``config.json`` and ``model.safetensors`` (CPU, contiguous tensors)."""
+# Checks for checkpoints hf_specdec recognises but cannot import (register_refusal).
+_REFUSALS: list[Callable[[dict, set], str | None]] = []
+
+
+def register_refusal(check: Callable[[dict, set], str | None]) -> None:
+    """Adds ``check(config_dict, weight_names)``: why hf_specdec cannot import a checkpoint it recognises (naming
+    the model family, what is not supported and what to do instead), or ``None`` for other checkpoints. A family's
+    conversion module calls this at import time; a checkpoint no layout recognises is refused with the reason, from
+    ``config.json`` and the tensor names alone."""
+    _REFUSALS.append(check)
+
+
+def write_checkpoint(out_dir: str, config: dict, tensors: dict, weights_name: str = "model.safetensors") -> None:
+    """Writes a foreign-layout checkpoint: ``config.json`` and the tensors (CPU, contiguous) as ``weights_name``."""
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, os.path.join(out_dir, weights_name), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as fh:
         json.dump(config, fh, indent=2)
 
@@ -133,6 +172,7 @@ def _target_info(target_config=None, target_num_hidden_layers: int | None = None
             "vocab_size": int(text.vocab_size),
             "model_type": getattr(target_config, "model_type", None),
             "name_or_path": getattr(target_config, "_name_or_path", None) or None,
+            "config": text,
         }
     if target_num_hidden_layers is not None:
         info["num_hidden_layers"] = int(target_num_hidden_layers)
@@ -179,6 +219,10 @@ def not_a_known_layout(files: CheckpointFiles) -> ValueError:
     refused = unsupported_speculators_type(files.config, files.where, speculators)
     if refused is not None:
         return refused
+    for check in _REFUSALS:
+        reason = check(files.config, set(files.weight_map))
+        if reason:
+            return ValueError(f"{files.where}: {reason}")
     model_type = str(files.config.get("model_type") or "")
     if model_type.endswith("_drafter"):
         return ValueError(

@@ -455,18 +455,27 @@ class DraftAttention(nn.Module):
     """Multi-head attention of a draft decoder layer over a :class:`SlotKVCache` (GQA, RoPE, optional bias).
 
     ``in_features`` may differ from the output width (a layer that reads ``[embedding; feature]``, ``2 * hidden``).
-    :meth:`forward` serves decoding (verified slots, chains, tree nodes); :meth:`ttt` the training-time unroll.
+    ``bias`` puts biases on all four projections (Llama's ``attention_bias``); ``o_bias=False`` keeps ``o_proj``
+    without one (Qwen2's attention: biases on q/k/v only). :meth:`forward` serves decoding (verified slots, chains,
+    tree nodes); :meth:`ttt` the training-time unroll.
     """
 
     def __init__(
-        self, in_features: int, out_features: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool
+        self,
+        in_features: int,
+        out_features: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        bias: bool,
+        o_bias: bool | None = None,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_proj = nn.Linear(in_features, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, out_features, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, out_features, bias=bias if o_bias is None else o_bias)
 
     def _qkv(self, x, cos, sin):
         bsz, t, _ = x.shape
@@ -517,15 +526,16 @@ class DraftAttention(nn.Module):
 
 class DraftDecoderLayer(nn.Module):
     """A pre-norm Llama decoder layer over a :class:`SlotKVCache` (``input_layernorm``, ``self_attn``,
-    ``post_attention_layernorm``, gated ``mlp``), shaped by a config with the draft decoder layer fields."""
+    ``post_attention_layernorm``, gated ``mlp``), shaped by a config with the draft decoder layer fields.
+    ``config.attention_bias`` biases all four attention projections; ``qkv_bias`` q/k/v only (Qwen2's attention)."""
 
-    def __init__(self, config):
+    def __init__(self, config, qkv_bias: bool = False):
         super().__init__()
         h = config.hidden_size
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        bias = config.attention_bias
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.self_attn = DraftAttention(
-            h, h, config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.attention_bias
-        )
+        self.self_attn = DraftAttention(h, h, heads, kv_heads, head_dim, bias or qkv_bias, o_bias=bias)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_act)
 

@@ -23,6 +23,7 @@ __all__ = [
     "DEFAULT_LOSS_RATES",
     "register_drafter_publisher",
     "target_lm_head_device",
+    "target_vocab_size",
 ]
 
 
@@ -157,6 +158,15 @@ def target_lm_head_device(target: nn.Module) -> torch.device:
     if head is not None and getattr(head, "weight", None) is not None:
         return head.weight.device
     return next(target.parameters()).device
+
+
+def target_vocab_size(target: nn.Module) -> int | None:
+    """Rows of the target's LM head (its vocabulary with any padding rows), else its config's ``vocab_size``."""
+    head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
+    if head is not None and getattr(head, "weight", None) is not None:
+        return int(head.weight.shape[0])
+    vocab = getattr(get_text_config(target.config), "vocab_size", None)
+    return None if vocab is None else int(vocab)
 
 
 class DrafterPreTrainedModel(PreTrainedModel):
@@ -346,10 +356,10 @@ class DrafterPreTrainedModel(PreTrainedModel):
         hidden = getattr(text, "hidden_size", None)
         if hidden != cfg.target_hidden_size:
             problems.append(f"hidden size: drafter expects {cfg.target_hidden_size}, target {name} has {hidden}")
-        head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
-        vocab = head.weight.shape[0] if head is not None and getattr(head, "weight", None) is not None else None
-        vocab = vocab if vocab is not None else getattr(text, "vocab_size", None)
-        if vocab != cfg.target_vocab_size:
+        vocab = target_vocab_size(target)
+        if vocab is None:
+            problems.append(f"vocabulary: target {name} has no LM head and no vocab_size")
+        elif cfg.target_vocab_size is not None and vocab != cfg.target_vocab_size:  # None: resolved from the target
             problems.append(f"vocabulary size: drafter expects {cfg.target_vocab_size}, target {name} has {vocab}")
         if self.requires_target_hidden_states:
             layers = getattr(text, "num_hidden_layers", None)
@@ -455,24 +465,32 @@ class DrafterPreTrainedModel(PreTrainedModel):
         """Fills in target facts the checkpoint did not record, from ``target`` (called by :meth:`bind_target`).
 
         Checkpoints in other projects' layouts do not record the target's depth, hence the family's default
-        ``target_layer_ids``; like vLLM, hf_specdec resolves them when the drafter meets its target, then checks
-        them (config ranges and :meth:`check_target_layer_ids`). A resolved drafter is tied to that depth.
+        ``target_layer_ids``, and some not its vocabulary (families with ``resolves_target_vocab_at_bind``); like
+        vLLM, hf_specdec resolves them when the drafter meets its target, then checks them (config ranges and
+        :meth:`check_target_layer_ids`). A resolved drafter is tied to that depth and vocabulary.
         """
         cfg = self.config
-        if cfg.target_num_hidden_layers is not None:
+        text = get_text_config(target.config)
+        layers = None if cfg.target_num_hidden_layers is not None else int(text.num_hidden_layers)
+        vocab = None if cfg.target_vocab_size is not None else target_vocab_size(target)
+        if layers is None and vocab is None:
             return
-        layers = int(get_text_config(target.config).num_hidden_layers)
-        ids = cfg.target_layer_ids
-        if ids is None:
-            ids = cfg.default_target_layer_ids(layers)
-        old = (cfg.target_num_hidden_layers, cfg.target_layer_ids)
-        cfg.target_num_hidden_layers, cfg.target_layer_ids = layers, None if ids is None else [int(i) for i in ids]
+        fields = ("target_num_hidden_layers", "target_layer_ids", "target_vocab_size", "draft_vocab_size")
+        old = {key: getattr(cfg, key) for key in fields}
+        if layers is not None:
+            ids = cfg.target_layer_ids if cfg.target_layer_ids is not None else cfg.default_target_layer_ids(layers)
+            cfg.target_num_hidden_layers, cfg.target_layer_ids = layers, None if ids is None else [int(i) for i in ids]
+        if vocab is not None:  # an unrecorded vocabulary is drafted over in full
+            cfg.target_vocab_size = cfg.draft_vocab_size = vocab
         try:
             cfg.validate_drafter(require_complete=True)
             self.check_target_layer_ids()
         except ValueError as err:
-            cfg.target_num_hidden_layers, cfg.target_layer_ids = old
-            raise ValueError(f"{type(self).__name__} cannot be bound to this {layers}-layer target: {err}") from err
+            for key, value in old.items():
+                setattr(cfg, key, value)
+            depth = getattr(text, "num_hidden_layers", "?")
+            what = f"{depth}-layer target" + (f" (vocabulary {vocab})" if vocab else "")
+            raise ValueError(f"{type(self).__name__} cannot be bound to this {what}: {err}") from err
 
     def check_target_layer_ids(self) -> None:
         """Family hook: raises `ValueError` when ``config.target_layer_ids`` do not fit the weights (e.g. the number
@@ -693,11 +711,20 @@ class ReducedVocabularyMixin:
     target's LM-head rows into its own output layers (:meth:`copy_target_head_rows`).
     """
 
-    def register_vocabulary_buffers(self, config) -> None:
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-        t2d = torch.zeros(config.target_vocab_size, dtype=torch.bool)
-        t2d[: config.draft_vocab_size] = True
+    def register_vocabulary_buffers(self, config, device=None) -> None:
+        # Empty while the target's vocabulary is unresolved (a checkpoint that does not record it); sized by
+        # `resolve_target_facts` when `bind_target` resolves it.
+        draft, full = config.draft_vocab_size or 0, config.target_vocab_size or 0
+        self.register_buffer("d2t", torch.zeros(draft, dtype=torch.long, device=device))
+        t2d = torch.zeros(full, dtype=torch.bool, device=device)
+        t2d[:draft] = True
         self.register_buffer("t2d", t2d)
+
+    def resolve_target_facts(self, target: nn.Module) -> None:
+        """As the base class's; a vocabulary it resolves also sizes the (until then empty) ``d2t`` / ``t2d``."""
+        super().resolve_target_facts(target)
+        if self.t2d.numel() != self.config.target_vocab_size:  # the vocabulary was just resolved: a full one
+            self.register_vocabulary_buffers(self.config, device=self.t2d.device)
 
     @property
     def reduced_vocabulary(self) -> bool:
@@ -727,6 +754,8 @@ class ReducedVocabularyMixin:
     def check_draft_vocab(self) -> None:
         """Raises if ``d2t`` / ``t2d`` are inconsistent (e.g. a checkpoint with an all-zero ``d2t`` but a reduced
         vocabulary that is not the first ids)."""
+        if self.config.target_vocab_size is None:  # unresolved until bind_target: a full vocabulary, no maps yet
+            return
         name = type(self).__name__
         ids = self.draft_token_ids
         if ids.max() >= self.config.target_vocab_size or ids.min() < 0:

@@ -310,9 +310,16 @@ def test_norm_flags_change_the_forward_as_in_their_projects(tmp_path, flags):
     # observe / propose: greedy decoding stays identical to plain generate
     kw = dict(max_new_tokens=16, do_sample=False)
     assert torch.equal(target.generate(ids, assistant_model=drafter, **kw), target.generate(ids, **kw))
-    # the vLLM export keeps the flags (SafeAILab's runtime has none, so that export refuses them)
-    back = import_drafter(export_drafter(drafter, str(tmp_path / "vllm"), "eagle3-vllm"), target_config=target.config)
-    assert all(getattr(back.config, k) == v for k, v in flags.items())
+    # the vLLM export keeps norm_before_residual; SpecForge's norm_output=False has no vLLM form (vLLM always applies
+    # the final norm; its norm_output means post-norm feedback). SafeAILab's runtime has neither, so that export
+    # refuses both.
+    if flags.get("norm_output", True):
+        vllm = export_drafter(drafter, str(tmp_path / "vllm"), "eagle3-vllm")
+        back = import_drafter(vllm, target_config=target.config)
+        assert all(getattr(back.config, k) == v for k, v in flags.items())
+    else:
+        with pytest.raises(ValueError, match="norm_output=False"):
+            export_drafter(drafter, str(tmp_path / "vllm"), "eagle3-vllm")
     with pytest.raises(ValueError, match="SafeAILab"):
         export_drafter(drafter, str(tmp_path / "safeailab"), "eagle3", target=target)
 

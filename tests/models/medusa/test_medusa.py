@@ -1,6 +1,7 @@
 """Medusa-1: the shared drafter tester plus family-specific checks (zero init, loss weights, trees, layouts)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -196,6 +197,8 @@ def test_import_matches_an_independent_forward_of_the_source_layout(tmp_path, la
     # export writes the same layout back
     out = tmp_path / "out"
     export_drafter(drafter, str(out), layout)
+    if layout == "medusa-fasterdecoding":  # the file Medusa's training script writes and TGI / TensorRT-LLM read
+        assert sorted(os.listdir(out)) == ["config.json", "medusa_lm_head.safetensors"]
     again = import_drafter(str(out), layout, target_config=target.config)
     with torch.no_grad():
         torch.testing.assert_close(again(h), drafter(h))

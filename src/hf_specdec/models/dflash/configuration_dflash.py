@@ -44,6 +44,9 @@ class DFlashConfig(DecoderDrafterConfig):
     """
 
     model_type = "dflash_drafter"
+    # Full-vocabulary DFlash borrows the target's embeddings and LM head: no weight is sized by the vocabulary, so a
+    # checkpoint without it (transformers' MuseGlimmerAssistantModel) leaves it to `bind_target`.
+    resolves_target_vocab_at_bind = True
 
     num_hidden_layers: int = 2
     block_size: int = 8
@@ -114,8 +117,9 @@ class DFlashConfig(DecoderDrafterConfig):
         if not require_complete and not self.is_bound_to_target_facts:
             return
         validate_decoder_layer(self, "the fused target states are injected into every draft layer")
-        if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < int(self.target_vocab_size):
+        mask, vocab = self.mask_token_id, self.target_vocab_size  # vocab None: unresolved, checked at bind_target
+        if isinstance(mask, bool) or not isinstance(mask, int) or mask < 0 or (vocab is not None and mask >= vocab):
             raise ValueError(
-                f"{name}.mask_token_id must be a target token id in [0, {self.target_vocab_size}), got "
+                f"{name}.mask_token_id must be a target token id in [0, {vocab or 'the target vocabulary'}), got "
                 f"{self.mask_token_id!r}."
             )

@@ -32,6 +32,7 @@ class DSparkConfig(DFlashConfig):
     """
 
     model_type = "dspark_drafter"
+    resolves_target_vocab_at_bind = False  # its Markov head is sized by the vocabulary
 
     block_size: int = 7
     markov_rank: int = 256

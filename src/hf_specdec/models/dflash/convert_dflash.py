@@ -70,7 +70,7 @@ def load_dflash_backbone(
         target_model_type=target.get("model_type"),
         target_hidden_size=hidden,
         target_num_hidden_layers=None if depth is None else int(depth),
-        target_vocab_size=int(target.get("vocab_size") or config["vocab_size"]),
+        target_vocab_size=_vocab_size(config, target),
         target_layer_ids=[i + 1 for i in layer_ids],
         **decoder_layer_fields(config),
         num_hidden_layers=layers,
@@ -94,6 +94,13 @@ def load_dflash_backbone(
     return drafter.eval()
 
 
+def _vocab_size(config: dict, target: dict) -> int | None:
+    """The target's vocabulary, from the target or the checkpoint; ``None`` when neither says it (transformers'
+    ``MuseGlimmerAssistantConfig`` has no ``vocab_size``): ``bind_target`` resolves it from the target then."""
+    vocab = target.get("vocab_size") or config.get("vocab_size")
+    return None if vocab is None else int(vocab)
+
+
 def load_zlab(config: dict, state: dict, target: dict) -> DFlashForDrafting:
     block = dict(config.get("dflash_config") or {})
     block.setdefault("block_size", config.get("block_size", 16))
@@ -107,8 +114,19 @@ def load_muse(config: dict, state: dict, target: dict) -> DFlashForDrafting:
     return load_dflash_backbone(config, state, target, config)
 
 
+def check_vocabulary_resolved(drafter) -> None:
+    """Refuses to export a drafter whose target vocabulary is still unresolved (imported from a checkpoint that did
+    not record it, never bound)."""
+    if drafter.config.target_vocab_size is None:
+        raise ValueError(
+            "This drafter's target vocabulary is unresolved (its checkpoint did not record it): bind it to its target "
+            "first (drafter.bind_target(target), or pass --target to hf-specdec convert), then export it."
+        )
+
+
 def _fields(drafter: DFlashForDrafting) -> dict:
     cfg = drafter.config
+    check_vocabulary_resolved(drafter)
     if drafter.reduced_vocabulary:
         raise ValueError(
             "The DFlash layouts draft over the target's full LM head; this drafter restricts it to "

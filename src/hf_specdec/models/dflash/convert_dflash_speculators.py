@@ -38,7 +38,7 @@ from ...speculators_format import (
 )
 from .configuration_dflash import DFlashConfig
 from .configuration_dspark import DSparkConfig
-from .convert_dflash import check_dspark_heads, load_dflash_backbone
+from .convert_dflash import check_dspark_heads, check_vocabulary_resolved, load_dflash_backbone
 from .modeling_dflash import DFlashForDrafting
 from .modeling_dspark import DSparkForDrafting
 
@@ -163,6 +163,7 @@ def _tensors(drafter, target) -> dict:
 
 def _check_exportable(drafter, target) -> None:
     cfg = drafter.config
+    check_vocabulary_resolved(drafter)
     _refuse_sliding(cfg.layer_types, exporting=True)
     if cfg.target_layer_ids is None:
         raise ValueError("The drafter's target layers are unresolved: bind it to its target first (bind_target).")

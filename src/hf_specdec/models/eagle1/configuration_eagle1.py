@@ -23,6 +23,9 @@ class Eagle1Config(DecoderDrafterConfig):
             rms_norm_eps / rope_theta / rope_scaling_parameters / max_position_embeddings / attention_bias: the
             decoder layer, shaped like one of the target's by :meth:`for_target`.
         fc_bias (`bool`, defaults to `True`): bias of ``FC`` (EAGLE's default).
+        qkv_bias (`bool`, defaults to `False`): biases on the attention's q/k/v projections only, as Qwen2's
+            attention has them (SafeAILab's ``cnets1.py`` ``qkv_bias``); ``attention_bias`` puts one on ``o_proj``
+            too (Llama's flag).
         feature_loss_weight (`float`, defaults to 1.0) / token_loss_weight (`float`, defaults to 0.1): the loss
             ``SmoothL1(f, f̂) + 0.1 CE(p, p̂)``.
         feature_noise (`float`, defaults to 0.1): training adds uniform noise ``U(-a, a)`` to the target features the
@@ -37,6 +40,7 @@ class Eagle1Config(DecoderDrafterConfig):
     model_type = "eagle1_drafter"
 
     fc_bias: bool = True
+    qkv_bias: bool = False
     feature_loss_weight: float = 1.0
     token_loss_weight: float = 0.1
     feature_noise: float = 0.1

@@ -1,9 +1,10 @@
 """EAGLE-1 checkpoint layout: SafeAILab EAGLE ``cnets1.py`` / vLLM ``EagleLlamaForCausalLM``.
 
 ``config.json`` is a Llama config of the draft layer (``hidden_size``, ``intermediate_size``, attention shape,
-``rms_norm_eps``, ``rope_theta``, ``vocab_size``, ``num_hidden_layers`` 1, ``bias`` for ``fc``); the weights are
-``fc.weight`` (+ ``fc.bias``) ``2H -> H`` and ``layers.0.*`` (a Llama decoder layer without ``input_layernorm``). The
-embedding and LM head are the target's (an ``embed_tokens.weight`` in the file is ignored).
+``rms_norm_eps``, ``rope_theta``, ``vocab_size``, ``num_hidden_layers`` 1, ``bias`` for ``fc``, ``qkv_bias`` for
+Qwen2-style drafters, whose attention has biases on q/k/v but not on ``o_proj``); the weights are ``fc.weight``
+(+ ``fc.bias``) ``2H -> H`` and ``layers.0.*`` (a Llama decoder layer without ``input_layernorm``). The embedding and
+LM head are the target's (an ``embed_tokens.weight`` in the file is ignored).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def load_eagle1(config: dict, state: dict, target: dict) -> Eagle1ForDrafting:
         target_vocab_size=vocab,
         **{**layer, "hidden_size": hidden},
         fc_bias="fc.bias" in state,
+        qkv_bias=bool(config.get("qkv_bias", False)),  # SafeAILab's cnets1.py: biases on q/k/v only
     )
     drafter = Eagle1ForDrafting(cfg)
     own = drafter.state_dict()
@@ -78,6 +80,7 @@ def save_eagle1(drafter: Eagle1ForDrafting, out_dir: str, target=None) -> None:
         "num_hidden_layers": 1,
         "vocab_size": cfg.target_vocab_size,
         "bias": cfg.fc_bias,
+        "qkv_bias": cfg.qkv_bias,
     }
     write_checkpoint(out_dir, config, state)
 

@@ -26,9 +26,9 @@ class Eagle1DecoderLayer(nn.Module):
     def __init__(self, config: Eagle1Config):
         super().__init__()
         h = config.hidden_size
-        self.self_attn = DraftAttention(
-            h, h, config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.attention_bias
-        )
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        qkv_bias = config.attention_bias or config.qkv_bias
+        self.self_attn = DraftAttention(h, h, heads, kv_heads, head_dim, qkv_bias, o_bias=config.attention_bias)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_act)
 

@@ -40,6 +40,13 @@ class Eagle3Config(DecoderDrafterConfig):
             *normalised* fused feature (``hidden_norm(h)``) instead of ``h`` itself.
         norm_output (`bool`, defaults to `True`): SpecForge's flag: ``False`` feeds the draft layer output to the
             LM head without the final ``norm``.
+        norm_feedback (`bool`, defaults to `False`): EAGLE-3.1's post-norm feedback (what vLLM, speculators and
+            SGLang call ``norm_output``): the state fed back to the next draft step is ``norm(h)``, the LM head's
+            input, instead of the layer output ``h``. Needs ``norm_output``.
+        fc_norm (`bool`, defaults to `False`): EAGLE-3.1 (SpecForge, speculators, vLLM): one RMSNorm per fused
+            target state (``fc_norm.{i}``, ``target_hidden_size`` wide) before ``fc``.
+        norm_before_fc (`bool`, defaults to `False`): speculators' / vLLM's single RMSNorm over the concatenated
+            target states before ``fc`` (``input_norm``); exclusive with ``fc_norm``.
         Other arguments: see :class:`~hf_specdec.DrafterConfig`.
     """
 
@@ -48,6 +55,9 @@ class Eagle3Config(DecoderDrafterConfig):
 
     norm_before_residual: bool = False
     norm_output: bool = True
+    norm_feedback: bool = False
+    fc_norm: bool = False
+    norm_before_fc: bool = False
     num_draft_tokens: int = 5
     ttt_steps: int | None = None  # training: draft steps unrolled in the loss (None: num_draft_tokens)
     ttt_decay: float = 0.8  # training: weight ttt_decay**j of step j in the loss
@@ -58,6 +68,7 @@ class Eagle3Config(DecoderDrafterConfig):
 
     def validate_drafter(self, require_complete: bool = False) -> None:
         super().validate_drafter(require_complete)
+        self.validate_norm_flags()
         if not require_complete and not self.is_bound_to_target_facts:
             return
         validate_decoder_layer(self, "the EAGLE-3 draft layer consumes the target's token embeddings")
@@ -66,3 +77,17 @@ class Eagle3Config(DecoderDrafterConfig):
             pass  # resolved from the target by bind_target
         elif not self.target_layer_ids:
             raise ValueError(f"{name}.target_layer_ids must list the target hidden states to fuse.")
+
+    def validate_norm_flags(self) -> None:
+        """Refuses combinations of the optional norms that no project defines."""
+        name = type(self).__name__
+        if self.fc_norm and self.norm_before_fc:
+            raise ValueError(
+                f"{name}.fc_norm (one norm per target state) and norm_before_fc (one norm over their concatenation) "
+                "are mutually exclusive: set one of them."
+            )
+        if self.norm_feedback and not self.norm_output:
+            raise ValueError(
+                f"{name}.norm_feedback feeds back the LM head's normed input, but norm_output=False leaves the LM "
+                "head without the norm: set norm_output=True or norm_feedback=False."
+            )

@@ -11,10 +11,19 @@
 * ``eagle3-modelopt`` (import): NVIDIA ModelOpt exports (``layers.0.*``, ``input_embeds_norm``, ``hidden_norm``,
   ``eagle_lm_head``, no ``t2d``; feature layers in ``eagle_config.eagle_aux_hidden_state_layer_ids``).
 
-Every key of a foreign ``config.json`` is read, known to be inert at inference (metadata, dropout), or refused:
-vLLM's ``norm_before_residual`` and SpecForge's ``norm_output`` map to :class:`Eagle3Config` fields; flags that
-would change the forward pass in a way this drafter does not implement (``fc_norm``, ``logit_scale``, sliding
-windows, more than one draft layer, ...) and unknown keys raise an error naming them.
+Every key of a foreign ``config.json`` is read, known to be inert at inference (metadata: names, token ids, dtypes,
+generation defaults; dropout), or refused: flags that would change the forward pass in a way this drafter does not
+implement (``logit_scale``, sliding windows, more than one draft layer, ModelOpt's layer-norm and parallel-draft
+options away from their EAGLE-3 values, ...) and unknown keys raise an error naming them.
+
+The optional norms map to :class:`Eagle3Config` fields: vLLM's ``norm_before_residual``; EAGLE-3.1's ``fc_norm`` (one
+RMSNorm per target state before ``fc``, tensors ``fc_norm.{i}.weight``, as in SpecForge, speculators and vLLM);
+speculators' / vLLM's ``norm_before_fc`` (one RMSNorm over their concatenation, ``input_norm.weight``). The projects
+disagree on ``norm_output``: in SpecForge (``LlamaForCausalLMEagle3.compute_logits``) ``false`` drops the final norm
+before the LM head (:attr:`Eagle3Config.norm_output`); in vLLM, SGLang, TensorRT-LLM and speculators ``true`` feeds the
+normed state back to the next draft step (EAGLE-3.1's post-norm feedback, :attr:`Eagle3Config.norm_feedback`). The
+``eagle3`` layout (what SpecForge writes) reads SpecForge's meaning; ``eagle3-vllm`` and ``eagle3-modelopt`` (what
+vLLM and TensorRT-LLM serve) read vLLM's, and the ``eagle3-vllm`` export writes vLLM's.
 
 Foreign configs do not record the target's depth (hence the default feature layers). Without ``target_config`` the
 imported drafter leaves them unresolved; :meth:`~hf_specdec.DrafterPreTrainedModel.bind_target` resolves and checks
@@ -28,7 +37,7 @@ import os
 
 import torch
 
-from ...convert import Layout, register_layout, write_checkpoint
+from ...convert import METADATA_KEYS, Layout, register_layout, write_checkpoint
 from ...layers import rope_scaling_from_config
 from ...speculators_format import target_embedding
 from .configuration_eagle3 import Eagle3Config
@@ -80,22 +89,18 @@ _READ_KEYS = {
     "eagle_aux_hidden_state_layer_ids",
     "norm_before_residual",
     "norm_output",
+    "fc_norm",
+    "norm_before_fc",
+    "num_eagle_features",  # TensorRT-LLM: the number of target states fc fuses (checked against fc.weight)
     "attention_bias",
     "num_hidden_layers",
     "target_model_type",
     "hf_specdec",
 }
-# Keys with no effect on the draft forward at inference: metadata, token ids, dropout, tensor-parallel slicing,
-# tied embeddings (the layout always has its own lm_head), and sliding-window sizes while sliding windows are off.
-_INERT_KEYS = {
-    "_name_or_path",
-    "torch_dtype",
-    "dtype",
-    "transformers_version",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "use_cache",
+# Keys with no effect on the draft forward at inference: metadata (names, token ids, dtypes, generation defaults),
+# dropout and init, tensor-parallel slicing, tied embeddings (the layout always has its own lm_head), and
+# sliding-window sizes while sliding windows are off.
+_INERT_KEYS = METADATA_KEYS | {
     "initializer_range",
     "attention_dropout",
     "hidden_dropout",
@@ -107,14 +112,26 @@ _INERT_KEYS = {
 }
 # Flags that change the forward pass: accepted at the value that means "as the reference EAGLE-3 layer".
 _NEUTRAL_FLAGS = {
-    "fc_norm": (False, None),
     "logit_scale": (1, 1.0, None),
     "use_sliding_window": (False, None),
     "mlp_bias": (False, None),
     "qkv_bias": (False, None),
     "parallel_drafting": (False, None),
 }
-_NEUTRAL_EAGLE_CONFIG = {"use_aux_hidden_state": (True, None), "eagle_aux_hidden_state_layer_ids": None}
+# eagle_config (ModelOpt, TensorRT-LLM) keys: ``None`` = any value; else the values that mean the EAGLE-3 layer
+# (ModelOpt writes ``None`` for an option its model does not record). From ModelOpt's export and its EAGLE module:
+# the embeddings' input norm, the final norm before the LM head, no MTP norms, no parallel draft heads.
+_NEUTRAL_EAGLE_CONFIG = {
+    "use_aux_hidden_state": (True, None),
+    "eagle_aux_hidden_state_layer_ids": None,  # read
+    "norm_before_fc": None,  # read (vLLM reads it here too)
+    "use_input_layernorm_in_first_layer": (True, None),
+    "use_last_layernorm": (True, None),
+    "use_mtp_layernorm": (False, None),
+    "next_layer_regular": (True, None),
+    "parallel_draft_step": (1, None),
+    "parallel_draft_heads_num_layers": None,  # the depth of parallel draft heads, which parallel_draft_step 1 has none of
+}
 
 
 def _is_eagle3_config(config: dict) -> bool:
@@ -176,11 +193,29 @@ def _feature_ids(config: dict) -> list[int] | None:
     return None
 
 
-def load_eagle3(config: dict, state: dict, target: dict, renames=(), feature_ids=None) -> Eagle3ForDrafting:
-    """Builds an :class:`Eagle3ForDrafting` from a foreign config dict and state dict (see the module docstring);
-    ``feature_ids``: the target layers read, as ``output_hidden_states`` indices, for layouts that record them in
-    their own way (default: from the config's ``eagle_aux_hidden_state_layer_ids``, output-of-layer numbering)."""
-    check_config_keys(config)
+def _norm_flags(config: dict, vllm_norm_output: bool) -> dict:
+    """The optional norms a config sets, as :class:`Eagle3Config` fields (``norm_output`` in the meaning of the
+    project the layout comes from: vLLM's post-norm feedback, or SpecForge's final norm before the LM head)."""
+    nested = config.get("eagle_config") or {}
+    flags = {
+        "norm_before_residual": bool(config.get("norm_before_residual", False)),
+        "fc_norm": bool(config.get("fc_norm", False)),
+        "norm_before_fc": bool(nested.get("norm_before_fc", config.get("norm_before_fc", False))),
+    }
+    if flags["fc_norm"] and flags["norm_before_fc"]:
+        raise ValueError(
+            "This EAGLE-3 config.json sets both fc_norm=True (one norm per target state) and norm_before_fc=True (one "
+            "norm over their concatenation), which speculators defines as mutually exclusive: keep the one the "
+            "weights were trained with (fc_norm.{i}.weight or input_norm.weight) and import again."
+        )
+    if vllm_norm_output:
+        return {**flags, "norm_output": True, "norm_feedback": bool(config.get("norm_output", False))}
+    return {**flags, "norm_output": bool(config.get("norm_output", True)), "norm_feedback": False}
+
+
+def _renamed(state: dict, renames) -> dict:
+    """The state dict under hf_specdec's names: layout prefixes renamed, the target's embeddings and a zero fc bias
+    dropped (the embeddings are bound at generation time; hf_specdec's fc has no bias)."""
     weights = {}
     for key, value in state.items():
         for old, new in renames:
@@ -189,22 +224,33 @@ def load_eagle3(config: dict, state: dict, target: dict, renames=(), feature_ids
         weights[key] = value
     if "hidden_norm.weight" in weights and "midlayer.hidden_norm.weight" not in weights:
         weights["midlayer.hidden_norm.weight"] = weights.pop("hidden_norm.weight")
-    weights.pop("embed_tokens.weight", None)  # the target's embeddings are bound at generation time
+    weights.pop("embed_tokens.weight", None)
     if "fc.bias" in weights:
         if torch.count_nonzero(weights["fc.bias"]):
             raise ValueError("This EAGLE-3 checkpoint has a non-zero fc.bias; hf_specdec's fc has no bias.")
         weights.pop("fc.bias")
+    return weights
+
+
+def _check_tensor_names(weights: dict, norms: dict, n_feats: int) -> None:
+    """Refuses missing tensors and tensors the drafter would not use, naming them (and the flag behind a norm)."""
     required = ["fc.weight", "norm.weight", "lm_head.weight"] + [f"midlayer.{k}" for k in _LAYER_KEYS]
+    if norms["fc_norm"]:
+        required += [f"fc_norm.{i}.weight" for i in range(n_feats)]
+    if norms["norm_before_fc"]:
+        required.append("input_norm.weight")
     missing = [k for k in required if k not in weights]
     if missing:
         raise ValueError(f"The EAGLE-3 checkpoint is missing tensors {missing}; it cannot be imported.")
     unknown = sorted(set(weights) - set(required) - {"d2t", "t2d"})
     if unknown:
-        raise ValueError(f"The EAGLE-3 checkpoint has tensors hf_specdec does not know: {unknown[:8]}.")
-    hidden = int(config["hidden_size"])
-    vocab = int(config.get("vocab_size") or target.get("vocab_size") or 0)
-    draft_vocab = int(config.get("draft_vocab_size") or weights["lm_head.weight"].shape[0])
-    target_hidden = int(config.get("target_hidden_size") or hidden)
+        hint = ""
+        if any(k.startswith(("fc_norm.", "input_norm.")) for k in unknown):
+            hint = " Its config.json does not set the flag (fc_norm / norm_before_fc) that uses them: set it."
+        raise ValueError(f"The EAGLE-3 checkpoint has tensors hf_specdec does not know: {unknown[:8]}.{hint}")
+
+
+def _check_target_facts(target: dict, target_hidden: int, vocab: int) -> None:
     if target.get("hidden_size") not in (None, target_hidden):
         raise ValueError(
             f"The drafter reads {target_hidden}-wide target states but the target's hidden size is "
@@ -215,15 +261,23 @@ def load_eagle3(config: dict, state: dict, target: dict, renames=(), feature_ids
             f"The drafter's vocabulary ({vocab}) differs from the target's ({target['vocab_size']}): this drafter was "
             "trained for another target."
         )
-    fc_in = weights["fc.weight"].shape[1]
+
+
+def _feature_layers(config: dict, fc_in: int, target_hidden: int, depth, feature_ids) -> tuple[int, list | None]:
+    """``(number of target states fc fuses, their output_hidden_states ids or None while the depth is unknown)``,
+    checked against the config's feature layers and TensorRT-LLM's ``num_eagle_features``."""
     if fc_in % target_hidden:
         raise ValueError(f"fc.weight reads {fc_in} features, not a multiple of the target width {target_hidden}.")
+    n_feats = fc_in // target_hidden
+    declared = config.get("num_eagle_features")
+    if declared is not None and int(declared) != n_feats:
+        raise ValueError(
+            f"This EAGLE-3 config.json sets num_eagle_features={declared!r}, but fc.weight fuses {n_feats} target "
+            f"states: fix num_eagle_features to {n_feats} (or remove it) and import again."
+        )
     layer_ids = _feature_ids(config) if feature_ids is None else [int(i) for i in feature_ids]
-    # Depth: from the target, else from an hf_specdec export's provenance; else resolved by bind_target.
-    depth = target.get("num_hidden_layers") or (config.get("hf_specdec") or {}).get("target_num_hidden_layers")
     if layer_ids is None and depth is not None:
         layer_ids = Eagle3Config.default_target_layer_ids(int(depth))
-    n_feats = fc_in // target_hidden
     if layer_ids is not None and len(layer_ids) != n_feats:
         raise ValueError(f"fc.weight fuses {n_feats} target states but the config names {len(layer_ids)} layers.")
     if layer_ids is None and n_feats != Eagle3Config.num_default_target_features:
@@ -231,6 +285,57 @@ def load_eagle3(config: dict, state: dict, target: dict, renames=(), feature_ids
             f"fc.weight fuses {n_feats} target states; the config does not say which, and the default is "
             f"{Eagle3Config.num_default_target_features}. Add eagle_config.eagle_aux_hidden_state_layer_ids."
         )
+    return n_feats, layer_ids
+
+
+def _vocabulary_maps(weights: dict, draft_vocab: int, vocab: int) -> None:
+    """Fills in ``d2t`` (identity for a full vocabulary) and ``t2d`` (rebuilt from ``d2t`` when the layout has none)."""
+    if "d2t" not in weights:
+        if draft_vocab != vocab:
+            raise ValueError("The checkpoint has a reduced draft vocabulary but no d2t map; it cannot be imported.")
+        weights["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
+    if "t2d" not in weights:  # ModelOpt / vLLM layouts: rebuild it from d2t
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[torch.arange(draft_vocab) + weights["d2t"].long()] = True
+        weights["t2d"] = t2d
+    weights["d2t"] = weights["d2t"].long()
+    weights["t2d"] = weights["t2d"].bool()
+
+
+def _load_weights(model: Eagle3ForDrafting, weights: dict) -> None:
+    expected = model.state_dict()
+    for key, value in weights.items():
+        if tuple(value.shape) != tuple(expected[key].shape):
+            raise ValueError(
+                f"Tensor {key} has shape {tuple(value.shape)}, expected {tuple(expected[key].shape)} from the config."
+            )
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in weights.items()}, strict=True)
+
+
+def load_eagle3(
+    config: dict, state: dict, target: dict, renames=(), feature_ids=None, vllm_norm_output: bool = False
+) -> Eagle3ForDrafting:
+    """Builds an :class:`Eagle3ForDrafting` from a foreign config dict and state dict (see the module docstring).
+
+    Args:
+        feature_ids: the target layers read, as ``output_hidden_states`` indices, for layouts that record them in
+            their own way (default: from the config's ``eagle_aux_hidden_state_layer_ids``, output-of-layer numbering).
+        vllm_norm_output: the config's ``norm_output`` is vLLM's (post-norm feedback), not SpecForge's.
+    """
+    check_config_keys(config)
+    weights = _renamed(state, renames)
+    if "fc.weight" not in weights:
+        raise ValueError("The EAGLE-3 checkpoint is missing tensors ['fc.weight']; it cannot be imported.")
+    hidden = int(config["hidden_size"])
+    target_hidden = int(config.get("target_hidden_size") or hidden)
+    # Depth: from the target, else from an hf_specdec export's provenance; else resolved by bind_target.
+    depth = target.get("num_hidden_layers") or (config.get("hf_specdec") or {}).get("target_num_hidden_layers")
+    n_feats, layer_ids = _feature_layers(config, weights["fc.weight"].shape[1], target_hidden, depth, feature_ids)
+    norms = _norm_flags(config, vllm_norm_output)
+    _check_tensor_names(weights, norms, n_feats)
+    vocab = int(config.get("vocab_size") or target.get("vocab_size") or 0)
+    draft_vocab = int(config.get("draft_vocab_size") or weights["lm_head.weight"].shape[0])
+    _check_target_facts(target, target_hidden, vocab)
     heads = int(config["num_attention_heads"])
     max_pos = int(config.get("max_position_embeddings", 4096))
     rope_theta, rope_scaling = rope_scaling_from_config(dict(config, max_position_embeddings=max_pos))
@@ -253,33 +358,19 @@ def load_eagle3(config: dict, state: dict, target: dict, renames=(), feature_ids
         rope_scaling_parameters=rope_scaling,
         max_position_embeddings=max_pos,
         attention_bias=bool(config.get("attention_bias", False)),
-        norm_before_residual=bool(config.get("norm_before_residual", False)),
-        norm_output=bool(config.get("norm_output", True)),
+        **norms,
     )
     model = Eagle3ForDrafting(cfg)
-    if "d2t" not in weights:
-        if draft_vocab != vocab:
-            raise ValueError("The checkpoint has a reduced draft vocabulary but no d2t map; it cannot be imported.")
-        weights["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
-    if "t2d" not in weights:  # ModelOpt / vLLM layouts: rebuild it from d2t
-        t2d = torch.zeros(vocab, dtype=torch.bool)
-        t2d[torch.arange(draft_vocab) + weights["d2t"].long()] = True
-        weights["t2d"] = t2d
-    weights["d2t"] = weights["d2t"].long()
-    weights["t2d"] = weights["t2d"].bool()
-    expected = model.state_dict()
-    for key, value in weights.items():
-        if tuple(value.shape) != tuple(expected[key].shape):
-            raise ValueError(
-                f"Tensor {key} has shape {tuple(value.shape)}, expected {tuple(expected[key].shape)} from the config."
-            )
-    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in weights.items()}, strict=True)
+    _vocabulary_maps(weights, draft_vocab, vocab)
+    _load_weights(model, weights)
     model.check_draft_vocab()
     return model.eval()
 
 
 def eagle3_config_dict(drafter: Eagle3ForDrafting, with_t2d: bool) -> dict:
-    """The ``config.json`` of an export: Llama-style keys the foreign loaders read, plus provenance."""
+    """The ``config.json`` of an export: Llama-style keys the foreign loaders read, plus provenance. The optional
+    norms are written as vLLM reads them (``norm_output``: post-norm feedback); SafeAILab's runtime has none of them,
+    so that export refuses drafters that use one."""
     cfg = drafter.config
     out = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -310,11 +401,28 @@ def eagle3_config_dict(drafter: Eagle3ForDrafting, with_t2d: bool) -> dict:
             "eagle_aux_hidden_state_layer_ids": [int(i) - 1 for i in cfg.target_layer_ids],
             "use_aux_hidden_state": True,
         }
-    if cfg.norm_before_residual:
-        out["norm_before_residual"] = True
-    if not cfg.norm_output:
-        out["norm_output"] = False
-    return out
+    flags = {
+        "norm_before_residual": cfg.norm_before_residual,
+        "fc_norm": cfg.fc_norm,
+        "norm_before_fc": cfg.norm_before_fc,
+        "norm_output": cfg.norm_feedback,  # vLLM's norm_output; SpecForge's (norm_output=False) has no vLLM form
+    }
+    return {**out, **{key: True for key, on in flags.items() if on}}
+
+
+def _check_vllm_runtime(drafter: Eagle3ForDrafting) -> None:
+    """Refuses drafters vLLM would run differently: its EAGLE-3 head always reads the final norm."""
+    if not drafter.config.norm_output:
+        raise ValueError(
+            "This EAGLE-3 drafter feeds its layer output to the LM head without the final norm (norm_output=False, "
+            "SpecForge's flag); vLLM's EAGLE-3 always applies the norm (its own norm_output flag means post-norm "
+            "feedback), so this drafter has no eagle3-vllm form. Train one with norm_output=True to serve it in vLLM."
+        )
+
+
+def _save_vllm(drafter: Eagle3ForDrafting, out_dir: str, target) -> None:
+    _check_vllm_runtime(drafter)
+    save_eagle3(drafter, out_dir, "layers.0.", with_t2d=False)
 
 
 def _check_safeailab_runtime(drafter: Eagle3ForDrafting) -> None:
@@ -325,8 +433,12 @@ def _check_safeailab_runtime(drafter: Eagle3ForDrafting) -> None:
         problems.append(f"head_dim {cfg.head_dim} × {cfg.num_attention_heads} heads ≠ hidden_size {cfg.hidden_size}")
     if cfg.attention_bias:
         problems.append("attention biases")
-    if cfg.norm_before_residual or not cfg.norm_output:
-        problems.append("norm_before_residual / norm_output=False")
+    norms = [
+        name for name in ("norm_before_residual", "fc_norm", "norm_before_fc", "norm_feedback") if getattr(cfg, name)
+    ]
+    norms += [] if cfg.norm_output else ["norm_output=False"]
+    if norms:
+        problems.append(f"optional norms it does not have ({', '.join(norms)})")
     rope = cfg.rope_scaling_parameters
     if rope is not None and (rope["rope_type"] not in ("linear", "dynamic") or float(rope["factor"]) <= 1.0):
         problems.append(f"RoPE scaling {rope} (SafeAILab's config accepts linear / dynamic with factor > 1 only)")
@@ -403,8 +515,10 @@ register_layout(
         family=Eagle3Config.model_type,
         description="EAGLE-3 as vLLM loads it (layers.0.*, d2t, no t2d)",
         detect=_detect_vllm,
-        load=lambda config, state, target: load_eagle3(config, state, target, renames=_VLLM_RENAMES),
-        save=lambda drafter, out, target: save_eagle3(drafter, out, "layers.0.", with_t2d=False),
+        load=lambda config, state, target: load_eagle3(
+            config, state, target, renames=_VLLM_RENAMES, vllm_norm_output=True
+        ),
+        save=_save_vllm,
     )
 )
 register_layout(
@@ -413,6 +527,8 @@ register_layout(
         family=Eagle3Config.model_type,
         description="NVIDIA ModelOpt EAGLE-3 export (layers.0.*, input_embeds_norm, eagle_lm_head, no t2d)",
         detect=_detect_modelopt,
-        load=lambda config, state, target: load_eagle3(config, state, target, renames=_MODELOPT_RENAMES),
+        load=lambda config, state, target: load_eagle3(
+            config, state, target, renames=_MODELOPT_RENAMES, vllm_norm_output=True
+        ),
     )
 )

@@ -7,22 +7,22 @@ of ``model_type`` ``"llama"`` (one layer; speculators' default class when it nam
 (speculators' defaults when absent): ``draft_vocab_size`` (32000), ``norm_before_residual`` (false; vLLM reads an
 absent key as true, so exports always write it), ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids``
 (``output_hidden_states`` indices, as hf_specdec's ``target_layer_ids``; absent: speculators' default
-``[2, N // 2, N - 3]``, resolved when the drafter is bound), ``norm_before_fc`` / ``fc_norm`` / ``norm_output``
-(false; hf_specdec's layer has none of them) and ``embed_requires_grad`` (training only).
+``[2, N // 2, N - 3]``, resolved when the drafter is bound), ``norm_before_fc`` / ``fc_norm`` (mutually exclusive:
+one RMSNorm over the concatenated target states, ``input_norm.weight``, or one per state, ``fc_norm.{i}.weight``),
+``norm_output`` (false) and ``embed_requires_grad`` (training only).
 
 Tensors: ``fc.weight``, ``layers.0.*`` (``q/k/v_proj`` over ``2H``, ``hidden_norm``), ``norm.weight``,
 ``lm_head.weight`` (draft vocabulary), ``d2t`` / ``t2d`` when the draft vocabulary is reduced, and a copy of the
 target's ``embed_tokens.weight`` (ignored on import: the drafter borrows the target's).
 
-Speculators' ``norm_output`` is not hf_specdec's flag of the same name: speculators' feeds the *normed* state back
-to the next draft step (its LM head always reads ``norm(h)``), hf_specdec's ``norm_output=False`` drops the norm
-before the LM head. So speculators' ``norm_output=false`` is hf_specdec's ``norm_output=True``, and neither other
-value has a counterpart.
+Speculators' ``norm_output`` is not hf_specdec's flag of the same name: speculators' (as vLLM's) feeds the *normed*
+state back to the next draft step (its LM head always reads ``norm(h)``), which is hf_specdec's ``norm_feedback``;
+hf_specdec's ``norm_output=False`` (SpecForge's flag) drops the norm before the LM head and has no speculators form.
 """
 
 from __future__ import annotations
 
-from ...convert import Layout, register_layout, write_checkpoint
+from ...convert import METADATA_KEYS, Layout, register_layout, write_checkpoint
 from ...speculators_format import (
     check_speculators_keys,
     layer_config_dict,
@@ -49,12 +49,6 @@ _FIELDS = {
     "fc_norm",
     "norm_output",
     "embed_requires_grad",
-}
-# Flags hf_specdec's EAGLE-3 layer has no counterpart for when true: what each one does in speculators.
-_OFF_FLAGS = {
-    "norm_before_fc": "an RMSNorm on the concatenated target states before fc",
-    "fc_norm": "an RMSNorm on each target state before fc",
-    "norm_output": "the normed state fed back to the next draft step",
 }
 # transformer_layer_config fields the draft layer is built from (the rest of a Llama config is inert here).
 _LAYER_FIELDS = (
@@ -92,28 +86,28 @@ def _eagle3_dict(config: dict, layer: dict, depth: int | None, tensors) -> dict:
             "hf_specdec's EAGLE-3 layer is Llama's",
             "Import a drafter with a Llama layer, or retrain one with hf_specdec.",
         )
-    for flag, what in _OFF_FLAGS.items():
-        if config.get(flag, False):
-            raise refuse_field(flag, config[flag], f"hf_specdec's EAGLE-3 layer has no {what}", "Retrain without it.")
     fields = {k: layer[k] for k in _LAYER_FIELDS if k in layer}
     return {
         **fields,
         "draft_vocab_size": read_draft_vocab_size(config, layer["vocab_size"], tensors),
         "target_hidden_size": config.get("target_hidden_size"),
         "norm_before_residual": bool(config.get("norm_before_residual", False)),
+        "fc_norm": bool(config.get("fc_norm", False)),
+        "norm_before_fc": bool(config.get("norm_before_fc", False)),
+        "norm_output": bool(config.get("norm_output", False)),  # speculators' (and vLLM's) meaning
         "hf_specdec": {"target_num_hidden_layers": depth},
     }
 
 
 def load_eagle3_speculators(config: dict, state: dict, target: dict) -> Eagle3ForDrafting:
     """Builds an :class:`Eagle3ForDrafting` from a speculators EAGLE-3 checkpoint (see the module docstring)."""
-    check_speculators_keys(config, _FIELDS)
+    check_speculators_keys(config, _FIELDS | METADATA_KEYS)
     header = read_speculators_config(config, default_layer_type="qwen3")
     llama = _eagle3_dict(config, header.layer, header.target_num_hidden_layers, state)
     weights = {k: v for k, v in state.items() if not k.startswith("verifier_")}  # training-only copies, if any
     named = {**target, "name_or_path": target.get("name_or_path") or header.verifier["name_or_path"]}
     ids = config.get("eagle_aux_hidden_state_layer_ids") or None
-    drafter = load_eagle3(llama, weights, named, renames=_RENAMES, feature_ids=ids)
+    drafter = load_eagle3(llama, weights, named, renames=_RENAMES, feature_ids=ids, vllm_norm_output=True)
     drafter.config.num_draft_tokens = header.speculative_tokens
     return drafter
 
@@ -142,9 +136,9 @@ def save_eagle3_speculators(drafter: Eagle3ForDrafting, out_dir: str, target=Non
         "draft_vocab_size": cfg.draft_vocab_size,
         "norm_before_residual": bool(cfg.norm_before_residual),  # always written: the tools' defaults differ
         "target_hidden_size": cfg.target_hidden_size,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        "norm_before_fc": bool(cfg.norm_before_fc),
+        "fc_norm": bool(cfg.fc_norm),
+        "norm_output": bool(cfg.norm_feedback),  # speculators' norm_output: post-norm feedback
         "embed_requires_grad": False,
     }
     if cfg.target_layer_ids is not None:

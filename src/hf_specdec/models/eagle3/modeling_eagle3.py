@@ -59,8 +59,8 @@ class Eagle3Output(ModelOutput):
 
     Attributes:
         logits: ``(batch, seq, draft_vocab_size)`` draft logits; slot ``t`` predicts the token at position ``t + 2``.
-        hidden_states: ``(batch, seq, hidden_size)`` draft layer outputs (before the final norm), the feature fed
-            back for the next draft step.
+        hidden_states: ``(batch, seq, hidden_size)`` draft layer outputs (before the final norm, after it with
+            ``norm_feedback``), the feature fed back for the next draft step.
     """
 
     logits: torch.FloatTensor | None = None
@@ -94,7 +94,12 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, ReducedVocabularyMixin, Draf
         super().__init__(config)
         # Unresolved layer ids (a foreign checkpoint loaded without its target): the family's default count.
         n_feats = len(config.target_layer_ids or ()) or config.num_default_target_features
-        self.fc = nn.Linear(n_feats * config.target_hidden_size, config.hidden_size, bias=False)
+        width = config.target_hidden_size
+        if config.norm_before_fc:  # speculators / vLLM: one norm over the concatenated target states
+            self.input_norm = RMSNorm(n_feats * width, config.rms_norm_eps)
+        if config.fc_norm:  # EAGLE-3.1: one norm per target state
+            self.fc_norm = nn.ModuleList([RMSNorm(width, config.rms_norm_eps) for _ in range(n_feats)])
+        self.fc = nn.Linear(n_feats * width, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -116,18 +121,33 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, ReducedVocabularyMixin, Draf
     # core computation
     # ------------------------------------------------------------------------------------------------------------
     def fuse_target_features(self, features: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
-        """``fc`` over the concatenated target states (list of ``(batch, seq, H)`` or one ``(batch, seq, n·H)``)."""
+        """``fc`` over the concatenated target states (list of ``(batch, seq, H)`` or one ``(batch, seq, n·H)``),
+        after ``input_norm`` (``norm_before_fc``) or the per-state ``fc_norm`` when the config has one."""
         if isinstance(features, (list, tuple)):
             features = torch.cat(list(features), dim=-1)
-        return self.fc(features.to(self.fc.weight.dtype))
+        features = features.to(self.fc.weight.dtype)
+        if self.config.norm_before_fc:
+            features = self.input_norm(features)
+        if self.config.fc_norm:
+            chunks = features.chunk(len(self.fc_norm), dim=-1)
+            features = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(features)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits of draft layer outputs (through the final ``norm`` unless ``norm_output`` is off)."""
-        return self.lm_head(self.norm(hidden) if self.config.norm_output else hidden)
+        """Draft-vocabulary logits of draft layer outputs: through the final ``norm`` unless ``norm_output`` is off,
+        or already through it (``norm_feedback``: :meth:`layer_output` applied it)."""
+        if self.config.norm_output and not self.config.norm_feedback:
+            hidden = self.norm(hidden)
+        return self.lm_head(hidden)
+
+    def layer_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What a draft step hands on (to the LM head and the next step): the layer output, or its final norm with
+        ``norm_feedback`` (EAGLE-3.1's post-norm feedback)."""
+        return self.norm(hidden) if self.config.norm_feedback else hidden
 
     def draft_layer(self, embeds, hidden, cos, sin, cache: SlotKVCache, valid, attn_mask=None, step=None):
         """The draft decoder layer on token embeddings and features (fused target features or its own outputs)."""
-        return self.midlayer(embeds, hidden, cos, sin, cache, valid, attn_mask=attn_mask)
+        return self.layer_output(self.midlayer(embeds, hidden, cos, sin, cache, valid, attn_mask=attn_mask))
 
     def forward(
         self,
@@ -216,7 +236,7 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, ReducedVocabularyMixin, Draf
             emb = torch.cat([embeds_all[:, shift:], embeds_all[:, -1:].expand(bsz, shift, -1)], dim=1)
             x, residual = layer.attention_input(emb, hidden)
             hidden = residual + self._ttt_attention(x, positions + j, valid.to(x.device), prev_kv)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = self.layer_output(hidden + layer.mlp(layer.post_attention_layernorm(hidden)))
             outputs.append((self.draft_logits(hidden), hidden))
         return outputs
 

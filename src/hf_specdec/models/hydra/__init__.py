@@ -1,6 +1,7 @@
-"""Hydra (Ankner et al. 2024, arXiv 2402.05109): config, modeling and the family's registration."""
+"""Hydra (Ankner et al. 2024, arXiv 2402.05109): config, modeling, checkpoint layout and the family's registration."""
 
 from ...registry import register_drafter
+from . import convert_hydra  # noqa: F401  (registers the zankner/Hydra layout)
 from .configuration_hydra import HydraConfig
 from .modeling_hydra import HydraDraftState, HydraForDrafting
 

@@ -45,6 +45,10 @@ class HydraConfig(DrafterConfig):
             hidden states (causal, with its own KV cache) whose output replaces ``h_t`` for the heads. Its shape
             (``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``hidden_act``,
             ``rms_norm_eps``, RoPE, ``attention_bias``) is one of the target's layers by :meth:`for_target`.
+        prefix_norm (`bool`, defaults to `False`): an RMSNorm on the prefix layer's output (zankner/Hydra's prefix is
+            a one-layer ``LlamaModel``, which ends with its final norm; set by the ``hydra-zankner`` import).
+        head_bias (`bool`, defaults to `False`): biases on each head's residual projection ``P`` and vocabulary
+            projection (zankner/Hydra's heads have both; set by the ``hydra-zankner`` import when they are nonzero).
     """
 
     model_type = "hydra_drafter"
@@ -58,6 +62,8 @@ class HydraConfig(DrafterConfig):
     initializer_range: float = 0.02
     num_draft_tokens: int | None = None
     prefix_layer: bool = False
+    prefix_norm: bool = False
+    head_bias: bool = False
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None

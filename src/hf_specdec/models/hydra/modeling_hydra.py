@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ...configuration_utils import decoder_layer_defaults, get_text_config
 from ...generation.proposals import DraftInputs, Proposal, TokenSelector
 from ...heads import last_verified
-from ...layers import DraftDecoderLayer, RMSNorm, RotaryEmbedding, SlotKVCache
+from ...layers import ACT2FN_SIMPLE, DraftDecoderLayer, RMSNorm, RotaryEmbedding, SlotKVCache
 from ...modeling_utils import DrafterPreTrainedModel, ReducedVocabularyMixin, depthwise_distillation_loss
 from .configuration_hydra import HydraConfig
 
@@ -20,9 +21,11 @@ class HydraHead(nn.Module):
     """Head ``k``: ``P x + SiLU(W x + b)`` on ``x = [h; E(x_{t+1}); ...; E(x_{t+k})]``, then residual blocks and
     the vocabulary projection."""
 
-    def __init__(self, in_features: int, hidden_size: int, num_layers: int, vocab_size: int, dropout: float):
+    def __init__(
+        self, in_features: int, hidden_size: int, num_layers: int, vocab_size: int, dropout: float, bias: bool = False
+    ):
         super().__init__()
-        self.proj = nn.Linear(in_features, hidden_size, bias=False)  # the linear residual path
+        self.proj = nn.Linear(in_features, hidden_size, bias=bias)  # the linear residual path
         self.first = nn.Linear(in_features, hidden_size)
         self.first.hydra_zero_init = True
         self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_layers - 1))
@@ -30,7 +33,7 @@ class HydraHead(nn.Module):
             block.hydra_zero_init = True
         self.act = nn.SiLU()
         self.dropout = nn.Dropout(dropout)
-        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.proj(x) + self.dropout(self.act(self.first(x)))
@@ -40,17 +43,31 @@ class HydraHead(nn.Module):
 
 
 class HydraPrefixLayer(DraftDecoderLayer):
-    """Hydra++'s prefix attention: a Llama decoder layer over the target's hidden states (with its own KV cache)."""
+    """Hydra++'s prefix attention: a Llama decoder layer over the target's hidden states (with its own KV cache),
+    and with ``prefix_norm`` a final RMSNorm, as zankner/Hydra's one-layer ``LlamaModel`` has."""
 
     def __init__(self, config: HydraConfig):
         super().__init__(config)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling_parameters, config.max_position_embeddings
         )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.prefix_norm else None
 
     def forward(self, hidden, position_ids, valid, cache: SlotKVCache):
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
-        return super().forward(hidden, cos, sin, cache, valid)
+        out = super().forward(hidden, cos, sin, cache, valid)
+        return out if self.norm is None else self.norm(out)
+
+    def retune(self, config: HydraConfig) -> None:
+        """Takes the norm epsilon and RoPE of ``config`` (facts a foreign checkpoint leaves to the target)."""
+        for norm in (self.input_layernorm, self.post_attention_layernorm, self.norm):
+            if norm is not None:
+                norm.eps = config.rms_norm_eps
+        self.mlp.act = ACT2FN_SIMPLE[config.hidden_act]
+        device = self.rotary_emb.inv_freq.device
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling_parameters, config.max_position_embeddings
+        ).to(device)
 
 
 @dataclass
@@ -86,7 +103,7 @@ class HydraForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
         super().__init__(config)
         d = config.hidden_size
         self.heads = nn.ModuleList(
-            HydraHead((k + 2) * d, d, config.num_layers, config.draft_vocab_size, config.dropout)
+            HydraHead((k + 2) * d, d, config.num_layers, config.draft_vocab_size, config.dropout, config.head_bias)
             for k in range(config.num_heads)
         )
         self.prefix = HydraPrefixLayer(config) if config.prefix_layer else None
@@ -104,6 +121,8 @@ class HydraForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
                 nn.init.zeros_(module.bias)
         else:
             nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     @property
     def num_heads(self) -> int:
@@ -123,6 +142,39 @@ class HydraForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
         for head in self.heads:
             head.proj.weight.zero_()
             head.proj.weight[:, :d].copy_(torch.eye(d))
+            for bias in (head.proj.bias, head.lm_head.bias):
+                if bias is not None:
+                    bias.zero_()
+
+    def resolve_target_facts(self, target: nn.Module) -> None:
+        """Also the prefix layer's norm epsilon, RoPE scaling and activation, for a checkpoint imported without its
+        target (zankner/Hydra records the layer's shape in its weights, the rest in the target's config)."""
+        if self.config.target_num_hidden_layers is None and self.prefix is not None:
+            self.take_prefix_facts(get_text_config(target.config))
+        super().resolve_target_facts(target)
+
+    def prefix_shape_mismatch(self, text_config) -> list[str]:
+        """The prefix layer's sizes that differ from the target's layers (``"field mine (target theirs)"``)."""
+        cfg, facts = self.config, decoder_layer_defaults(text_config)
+        shape = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+        return [
+            f"{k} {getattr(cfg, k)} (target {facts[k]})"
+            for k in shape
+            if facts.get(k, getattr(cfg, k)) != getattr(cfg, k)
+        ]
+
+    def take_prefix_facts(self, text_config) -> None:
+        """Gives the prefix layer the target's norm epsilon, RoPE scaling, context length and activation, after
+        checking that the target's layers have the prefix layer's shape (``rope_theta`` stays as the checkpoint's
+        layout set it)."""
+        cfg, facts = self.config, decoder_layer_defaults(text_config)
+        wrong = self.prefix_shape_mismatch(text_config)
+        if wrong:
+            raise ValueError(f"The prefix layer is one of its target's layers; it does not fit this target: {wrong}.")
+        for key in ("rms_norm_eps", "rope_scaling_parameters", "max_position_embeddings", "hidden_act"):
+            if key in facts:
+                setattr(cfg, key, facts[key])
+        self.prefix.retune(cfg)
 
     def head_logits(self, k: int, hidden: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         """Head ``k`` (0-based) on ``hidden`` ``(..., d)`` and the ``k + 1`` path embeddings ``(..., k + 1, d)``."""

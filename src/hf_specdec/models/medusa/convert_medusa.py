@@ -7,11 +7,21 @@
   head), ``hidden_size``, ``vocab_size``, ``truncated_vocab_size``, ``medusa_fc_bias``, ``original_lm_head``; weights
   ``blocks.{h}.layers.{l}.weight`` (/ ``.bias``), ``lm_heads.{h}.weight`` and, with a truncated vocabulary,
   ``token_map`` (target id of each draft id). A ``medusa_heads.`` prefix is accepted on import.
+* ``medusa-full-model``: a Medusa-2 model FasterDecoding ships whole (``MedusaModelLlama`` / ``MedusaModelMistral``,
+  e.g. ``FasterDecoding/medusa-1.0-vicuna-7b-v1.5``): the target's ``config.json`` plus ``medusa_num_heads`` /
+  ``medusa_num_layers``; the target's own ``model.*`` / ``lm_head.*`` next to ``medusa_head.{h}.{l}.linear.*`` and
+  ``medusa_head.{h}.{num_layers}.weight``. Only the heads are read (import only); the checkpoint itself is the
+  target the heads were trained with (load it with ``AutoModelForCausalLM``, which skips ``medusa_head.*``).
+
+FasterDecoding's configs may undercount the heads (``FasterDecoding/medusa-vicuna-7b-v1.3`` says
+``medusa_num_heads: 2`` and its ``medusa_lm_head.pt`` holds 5; Medusa's loader forces 5): the weights decide, with a
+warning naming both numbers.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 
 import torch
 
@@ -23,6 +33,8 @@ _FD_BLOCK = re.compile(r"^(\d+)\.(\d+)\.linear\.(weight|bias)$")
 _FD_HEAD = re.compile(r"^(\d+)\.(\d+)\.weight$")
 _VLLM_BLOCK = re.compile(r"^blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$")
 _VLLM_HEAD = re.compile(r"^lm_heads\.(\d+)\.weight$")
+_FULL_PREFIX = "medusa_head."  # FasterDecoding's full Medusa-2 models: the heads next to the target's weights
+_FULL_BLOCK = re.compile(r"^medusa_head\.\d+\.\d+\.linear\.weight$")
 
 
 def _strip(state: dict) -> dict:
@@ -31,6 +43,15 @@ def _strip(state: dict) -> dict:
 
 def _detect_fasterdecoding(config: dict, keys: set) -> bool:
     return "medusa_num_heads" in config and any(_FD_BLOCK.match(k) for k in keys)
+
+
+def _detect_full_model(config: dict, keys: set) -> bool:
+    return "medusa_num_heads" in config and any(_FULL_BLOCK.match(k) for k in keys)
+
+
+def _head_tensors(config: dict, keys: set) -> set:
+    """The heads' tensors: the target's own weights in the same checkpoint are never read."""
+    return {k for k in keys if k.startswith(_FULL_PREFIX)}
 
 
 def _detect_vllm(config: dict, keys: set) -> bool:
@@ -78,6 +99,21 @@ def _load_into(drafter: MedusaForDrafting, blocks: dict, heads: dict, token_map=
     return drafter.eval()
 
 
+def _heads_in_weights(config: dict, found: list[int]) -> int:
+    """The head count: the weights', warning when ``medusa_num_heads`` says otherwise (FasterDecoding's flagship
+    configs undercount, and its own loader then uses the weights' count)."""
+    if not found or found != list(range(len(found))):
+        raise ValueError(f"The Medusa heads in the weights are numbered {found}; expected 0, 1, ... without gaps.")
+    declared = config.get("medusa_num_heads")
+    if declared is not None and int(declared) != len(found):
+        warnings.warn(
+            f"config.json says medusa_num_heads={declared}, but the weights hold {len(found)} heads; using the "
+            f"{len(found)} heads of the weights (FasterDecoding's Medusa loader does the same).",
+            stacklevel=2,
+        )
+    return len(found)
+
+
 def load_fasterdecoding(config: dict, state: dict, target: dict) -> MedusaForDrafting:
     state = _strip(state)
     blocks, heads = {}, {}
@@ -86,18 +122,37 @@ def load_fasterdecoding(config: dict, state: dict, target: dict) -> MedusaForDra
             blocks[(int(m[1]), int(m[2]), m[3])] = value
         elif m := _FD_HEAD.match(key):
             heads[(int(m[1]), int(m[2]))] = value
-    num_heads = int(config.get("medusa_num_heads") or 0)
+    num_heads = _heads_in_weights(config, sorted({h for h, _, _ in blocks} | {h for h, _ in heads}))
     num_layers = int(config.get("medusa_num_layers", 1))
-    found = sorted({h for h, _, _ in blocks} | {h for h, _ in heads})
-    if not num_heads or found != list(range(num_heads)):
-        raise ValueError(f"config.json says medusa_num_heads={num_heads}, the weights hold heads {found}.")
     proj = {h: v for (h, layer), v in heads.items() if layer == num_layers}
+    if not proj and str(config.get("version")) == "2":
+        raise ValueError(
+            "This Medusa checkpoint (config version '2') has heads without their own vocabulary projection: they "
+            "share the target's LM head. hf_specdec's Medusa heads each have one; copy the target's LM head into "
+            f"every '{{h}}.{num_layers}.weight' first."
+        )
     if len(proj) != num_heads:
-        raise ValueError(f"Each head needs its projection '{{h}}.{num_layers}.weight'; found {sorted(proj)}.")
+        raise ValueError(
+            f"Each head needs its projection '{{h}}.{num_layers}.weight' (medusa_num_layers={num_layers}); found "
+            f"{sorted(proj)}."
+        )
     vocab, hidden = proj[0].shape
     bias = any(kind == "bias" for _, _, kind in blocks)
     drafter = _build(num_heads, num_layers, hidden, vocab, vocab, bias, target, config.get("base_model_name_or_path"))
     return _load_into(drafter, blocks, proj)
+
+
+def load_full_model(config: dict, state: dict, target: dict) -> MedusaForDrafting:
+    """The heads of a full Medusa-2 model; its ``config.json`` is the target's, so it gives the target's facts."""
+    own = {
+        "hidden_size": config.get("hidden_size"),
+        "vocab_size": config.get("vocab_size"),
+        "num_hidden_layers": config.get("num_hidden_layers"),
+        "model_type": config.get("model_type"),
+    }
+    target = {**{k: v for k, v in own.items() if v is not None}, **target}
+    heads = {k[len(_FULL_PREFIX) :]: v for k, v in state.items() if k.startswith(_FULL_PREFIX)}
+    return load_fasterdecoding(config, heads, target)
 
 
 def load_vllm(config: dict, state: dict, target: dict) -> MedusaForDrafting:
@@ -146,7 +201,8 @@ def save_fasterdecoding(drafter: MedusaForDrafting, out_dir: str, target=None) -
         "medusa_num_layers": cfg.num_layers,
         "base_model_name_or_path": cfg.target_model_name_or_path,
     }
-    write_checkpoint(out_dir, config, state)
+    # the file name Medusa's training script writes and TGI / TensorRT-LLM read
+    write_checkpoint(out_dir, config, state, weights_name="medusa_lm_head.safetensors")
 
 
 def save_vllm(drafter: MedusaForDrafting, out_dir: str, target=None) -> None:
@@ -183,6 +239,17 @@ register_layout(
         detect=_detect_fasterdecoding,
         load=load_fasterdecoding,
         save=save_fasterdecoding,
+    )
+)
+register_layout(
+    Layout(
+        name="medusa-full-model",
+        family=MedusaConfig.model_type,
+        description="FasterDecoding's full Medusa-2 models (the target's model.* / lm_head.* and medusa_head.*): "
+        "imports the heads only, reading no target weight",
+        detect=_detect_full_model,
+        load=load_full_model,
+        needed_tensors=_head_tensors,
     )
 )
 register_layout(

@@ -38,6 +38,8 @@ class MtpConfig(DecoderDrafterConfig):
             paper's cross-entropy on the data's tokens.
         hidden_states_first (`bool`, defaults to `False`): ``eh_proj`` reads ``[hnorm(h); enorm(e)]`` instead of
             DeepSeek's ``[enorm(e); hnorm(h)]`` (some checkpoints order it so; transformers' ``mtp_hidden_states_first``).
+        qkv_bias (`bool`, defaults to `False`): biases on the attention's q/k/v projections only, as Qwen2's
+            attention has them (MiMo's MTP layers); ``attention_bias`` puts one on ``o_proj`` too (Llama's flag).
         use_post_norm (`bool`, defaults to `True`): each module ends with its own RMSNorm before the shared head
             (DeepSeek's ``shared_head.norm``, transformers' ``post_norm``).
         draft_vocab_size (`int`, *optional*): restrict the target's LM head to the most frequent tokens of the training
@@ -51,6 +53,7 @@ class MtpConfig(DecoderDrafterConfig):
     ttt_decay: float = 1.0
     loss_labels: str = "soft"
     hidden_states_first: bool = False
+    qkv_bias: bool = False
     use_post_norm: bool = True
     num_draft_tokens: int = 4
 

@@ -33,7 +33,7 @@ class MtpModule(nn.Module):
         self.enorm = RMSNorm(h, config.rms_norm_eps)
         self.hnorm = RMSNorm(h, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.mtp_block = MtpBlock(config)
+        self.mtp_block = MtpBlock(config, qkv_bias=config.qkv_bias)
         self.post_norm = RMSNorm(h, config.rms_norm_eps) if config.use_post_norm else nn.Identity()
 
     def project(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
