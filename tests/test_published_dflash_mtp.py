@@ -380,6 +380,6 @@ def test_a_medusa_lm_head_pt_with_a_payload_is_refused(tmp_path, hub):
 
     marker = tmp_path / "payload-ran"
     folder = _drafter_export(tmp_path, MedusaConfig, "medusa-fasterdecoding")
-    _save_armed(load_file(str(folder / "model.safetensors")), folder / "medusa_lm_head.pt", marker)
-    (folder / "model.safetensors").unlink()
+    _save_armed(load_file(str(folder / "medusa_lm_head.safetensors")), folder / "medusa_lm_head.pt", marker)
+    (folder / "medusa_lm_head.safetensors").unlink()
     _refused_everywhere(hub, folder, "org/medusa-pt", marker)

@@ -1,10 +1,14 @@
 """MTP (DeepSeek-V3-style multi-token prediction, arXiv 2412.19437): config, modeling, checkpoint layout and the
 family's registration."""
 
+from transformers import AutoConfig
+
+from ...auto import AutoModelForDrafting
 from ...registry import register_drafter
-from . import convert_mtp  # noqa: F401  (registers the DeepSeek / native-target MTP layout)
-from .configuration_mtp import MtpConfig
+from . import convert_mtp  # noqa: F401  (registers the DeepSeek / native-target MTP layouts)
+from .configuration_mtp import MtpConfig, NativeMtpConfig
 from .modeling_mtp import MtpDraftState, MtpForDrafting
+from .modeling_native_mtp import NativeMtpForDrafting
 
 register_drafter(
     "mtp",
@@ -20,4 +24,9 @@ register_drafter(
     ),
 )
 
-__all__ = ["MtpConfig", "MtpForDrafting", "MtpDraftState"]
+# A target's own MTP layers load from its checkpoint (layout native-mtp) but are not a family one trains: Auto classes
+# only, no `register_drafter` (nothing to build with `for_target` on an arbitrary target).
+AutoConfig.register(NativeMtpConfig.model_type, NativeMtpConfig, exist_ok=True)
+AutoModelForDrafting.register(NativeMtpConfig, NativeMtpForDrafting, exist_ok=True)
+
+__all__ = ["MtpConfig", "MtpForDrafting", "MtpDraftState", "NativeMtpConfig", "NativeMtpForDrafting"]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from transformers import PretrainedConfig
+
 from ...configuration_utils import (
     DecoderDrafterConfig,
+    DrafterConfig,
     validate_decoder_layer,
 )
 
-__all__ = ["MtpConfig"]
+__all__ = ["MtpConfig", "NativeMtpConfig", "native_mtp_refusal"]
 
 
 class MtpConfig(DecoderDrafterConfig):
@@ -86,3 +89,75 @@ class MtpConfig(DecoderDrafterConfig):
                 f"{name}.target_layer_ids must name one target state (h^0, the final hidden state), got "
                 f"{self.target_layer_ids}."
             )
+
+
+class NativeMtpConfig(DrafterConfig):
+    r"""Configuration of :class:`NativeMtpForDrafting`: the MTP layers a target ships in its own checkpoint (configs
+    with ``num_mtp_layers``: DeepSeek-V3, GLM-4.5-MoE, ...), built as transformers builds them (``MtpModel``): one
+    ``MtpLayer`` around the target's own decoder-layer class (MLA attention, mixture-of-experts MLP).
+
+    Args:
+        target_text_config (`dict`): the target's text config (``to_dict()``); the MTP layer is built from it.
+        num_draft_tokens (`int`, defaults to 1): one token per MTP layer, as transformers' ``MTPCandidateGenerator``
+            drafts; longer chains and trees reuse the layer on its own output (DeepSeek-V3 / SGLang style).
+    """
+
+    model_type = "native_mtp_drafter"
+
+    target_text_config: dict | None = None
+    num_draft_tokens: int = 1
+
+    @classmethod
+    def default_target_layer_ids(cls, num_layers: int) -> list[int]:
+        return [num_layers]  # the target's final (normed) hidden state, what MTPCandidateGenerator feeds
+
+    @classmethod
+    def from_target_config(cls, target_config: PretrainedConfig, **overrides) -> NativeMtpConfig:
+        """The drafter of ``target_config``'s own MTP layers (refused when hf_specdec cannot run them)."""
+        text = target_config.get_text_config()
+        refusal = native_mtp_refusal(text)
+        if refusal:
+            raise ValueError(refusal)
+        return cls.for_target(target_config, target_text_config=text.to_dict(), **overrides)
+
+    def build_target_config(self) -> PretrainedConfig:
+        """The target's text config, rebuilt from ``target_text_config``."""
+        from transformers import AutoConfig
+
+        fields = dict(self.target_text_config)
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+    def validate_drafter(self, require_complete: bool = False) -> None:
+        super().validate_drafter(require_complete)
+        if not require_complete and not self.is_bound_to_target_facts:
+            return
+        if not isinstance(self.target_text_config, dict) or "model_type" not in self.target_text_config:
+            raise ValueError(f"{type(self).__name__}.target_text_config must be the target's text config as a dict.")
+
+
+def native_mtp_refusal(text_config) -> str | None:
+    """Why hf_specdec cannot run a target config's own MTP layers (``None`` when it can)."""
+    name = getattr(text_config, "model_type", "?")
+    layers = getattr(text_config, "num_mtp_layers", None)
+    if not layers:
+        return f"The {name} config declares no MTP layers (num_mtp_layers)."
+    if int(layers) != 1:
+        return (
+            f"This {name} target has {layers} MTP layers. hf_specdec runs a target's own MTP layers when there is one "
+            "(DeepSeek-V3, GLM-4.5); with more, transformers chains layer k over layer k-1's outputs at every "
+            "verified position, each layer with its own cache k tokens ahead, which hf_specdec's slot caches (batch "
+            "> 1, trees) do not reproduce. Use generate(use_mtp=True) at batch 1 for these targets."
+        )
+    for key in ("mtp_layer_types", "layer_types"):
+        kinds = set(getattr(text_config, key, None) or ())
+        if kinds - {"full_attention"}:
+            return (
+                f"This {name} target's MTP layer has {sorted(kinds - {'full_attention'})} attention ({key}): "
+                "hf_specdec rolls the MTP layer's cache back slot by slot, which needs full attention over a key/value "
+                "cache (linear-attention state and sliding windows cannot drop rejected draft slots)."
+            )
+    if getattr(text_config, "mtp_per_layer_config", None) or getattr(text_config, "quantization_config", None):
+        return (
+            f"This {name} target's MTP layer is quantized or has per-layer overrides, which hf_specdec does not load."
+        )
+    return None

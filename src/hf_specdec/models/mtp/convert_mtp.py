@@ -6,7 +6,12 @@
   (``2H -> H``, no bias), ``shared_head.norm`` and a decoder layer (``input_layernorm``, ``self_attn.{q,k,v,o}_proj``,
   ``post_attention_layernorm``, ``mlp.{gate,up,down}_proj``). The embedding and the shared head (``embed_tokens``,
   ``shared_head.head``) are the target's and are ignored on import, never written on export. MLA attention and
-  mixture-of-experts MLPs (DeepSeek-V3's own layers) have no place in hf_specdec's dense module and are refused.
+  mixture-of-experts MLPs have no place in hf_specdec's dense module and are refused here.
+* ``native-mtp`` (import only, detected first): the same names in the checkpoint of a target whose transformers
+  config declares ``num_mtp_layers`` (DeepSeek-V3, GLM-4.5-MoE, ...): the layer is built from the target's own
+  decoder-layer class, MLA and MoE included, as transformers' ``MtpLayer`` (:class:`NativeMtpForDrafting`), and loaded
+  with transformers' weight conversions. Targets it cannot run (more than one MTP layer, non-full attention,
+  quantized checkpoints) are refused from ``config.json`` before any tensor is read.
 * ``mimo-mtp`` (import only): XiaomiMiMo's MiMo (``model_type`` ``mimo``, a Qwen2 target): module ``k`` is
   ``model.mtp_layers.{k}.``: ``token_layernorm`` / ``hidden_layernorm`` (hf_specdec's ``enorm`` / ``hnorm``),
   ``input_proj`` over ``[hidden; embedding]`` (``eh_proj`` with ``hidden_states_first``), a Qwen2 decoder layer
@@ -21,11 +26,14 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from ...configuration_utils import decoder_layer_config_dict, decoder_layer_fields
 from ...convert import Layout, register_layout, register_refusal, write_checkpoint
 from ...speculators_format import register_speculators_refusal
-from .configuration_mtp import MtpConfig
+from .configuration_mtp import MtpConfig, NativeMtpConfig, native_mtp_refusal
 from .modeling_mtp import MtpForDrafting
+from .modeling_native_mtp import NativeMtpForDrafting
 
 # a decoder layer's names inside an MTP module -> hf_specdec's (inside layers.{k}.)
 _BLOCK = {name: f"mtp_block.{name}" for name in ("input_layernorm.weight", "post_attention_layernorm.weight")}
@@ -61,6 +69,46 @@ def _num_modules(config: dict) -> int:
     return 0
 
 
+def _native_text_config(config: dict):
+    """The target's text config when transformers builds MTP layers for its model type (``num_mtp_layers``)."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = str(config.get("model_type", ""))
+    config_class = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None
+    if config_class is None or "num_mtp_layers" not in getattr(config_class, "__annotations__", {}):
+        return None
+    return config_class.from_dict(config).get_text_config()
+
+
+def _detect_native(config: dict, keys: set) -> bool:
+    return _native_text_config(config) is not None and _detect(config, keys)
+
+
+def _native_tensors(config: dict, keys: set) -> set:
+    """The MTP layer's tensors, once the config says hf_specdec can run it (refused before any tensor is read)."""
+    refusal = native_mtp_refusal(_native_text_config(config))
+    if config.get("quantization_config"):
+        refusal = (
+            refusal or "This target checkpoint is quantized (quantization_config); hf_specdec loads plain tensors."
+        )
+    if refusal:
+        raise ValueError(refusal)
+    return _mtp_tensors(config, keys)
+
+
+def load_native_mtp(config: dict, state: dict, target: dict) -> NativeMtpForDrafting:
+    """A target's own MTP layer (DeepSeek-V3, GLM-4.5-MoE, ...), built from its decoder-layer class as transformers'
+    ``MtpModel`` builds it, with transformers' weight conversions."""
+    text = _native_text_config(config)
+    native = NativeMtpConfig.from_target_config(text, target_model_name_or_path=target.get("name_or_path"))
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        if target.get(key) not in (None, getattr(text, key)):
+            raise ValueError(f"These MTP layers follow a target with {key} {getattr(text, key)}; got {target[key]}.")
+    with torch.device("meta"):  # the weights come from the checkpoint: allocate nothing before
+        drafter = NativeMtpForDrafting(native)
+    return drafter.load_checkpoint_tensors(state)
+
+
 def _detect(config: dict, keys: set) -> bool:
     layers = config.get("num_hidden_layers")
     return bool(_num_modules(config)) and layers is not None and f"model.layers.{int(layers)}.eh_proj.weight" in keys
@@ -84,8 +132,9 @@ def _module_tensors(state: dict, prefix: str, rename: dict, k: int) -> dict:
         kind = kind or ("MLA attention" if any(re.search(r"(q_a|kv_a|q_b|kv_b)_", n) for n in exotic) else "")
         raise ValueError(
             f"MTP module {k} has weights hf_specdec's dense MTP module cannot hold ({kind or 'unknown'}: "
-            f"{exotic[:4]}). Only dense Llama-style MTP layers import; train an MTP drafter for this target "
-            "instead (hf-specdec train --drafter mtp)."
+            f"{exotic[:4]}). Only dense Llama-style MTP layers import here; train an MTP drafter for this target "
+            "instead (hf-specdec train --drafter mtp). A target whose transformers config declares num_mtp_layers "
+            "(DeepSeek-V3, GLM-4.5-MoE) loads its own MTP layer as it is (layout native-mtp)."
         )
     return {f"layers.{k}.{rename[n]}": t for n, t in mine.items() if n in rename}
 
@@ -204,6 +253,18 @@ def save_mtp_layers(drafter: MtpForDrafting, out_dir: str, target=None) -> None:
     write_checkpoint(out_dir, config, state)
 
 
+register_layout(  # before mtp-layers: the same tensor names, for targets transformers builds MTP layers for
+    Layout(
+        name="native-mtp",
+        family=NativeMtpConfig.model_type,
+        description="a target's own MTP layers (model.layers.{L}: enorm, hnorm, eh_proj, shared_head.norm and its own "
+        "decoder layer, MLA / MoE included) for configs with num_mtp_layers (DeepSeek-V3, GLM-4.5-MoE), run as "
+        "transformers' MtpLayer",
+        detect=_detect_native,
+        load=load_native_mtp,
+        needed_tensors=_native_tensors,
+    )
+)
 register_speculators_refusal(
     "mtp",
     "speculators builds its MTP layer from the target's own decoder layer class (Qwen3 with q_norm / k_norm, or the "
