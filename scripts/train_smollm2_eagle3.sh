@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The shipped EAGLE-3 drafter for SmolLM2-135M-Instruct (src/hf_specdec/assets/smollm2-drafter), rebuilt from the
+# committed self-distillation data (data/smollm2-distill) in two resumable stages, about 2 hours on 2 CPU cores:
+#   1. the 1.5M-token point of the scaling curve: features from the bf16 target (dumped once, about 27 minutes;
+#      skipped when runs/smollm2-scaling holds them) and one epoch, batch 4, lr 1e-3, bf16 autocast
+#      (runs/smollm2-scaling/size-1500000; skipped when done);
+#   2. two more epochs from that drafter on the same features, a fresh cosine schedule from lr 1e-3, scored on the
+#      same held-out records (runs/smollm2-eagle3-ep3). Rerun the script after an interruption: stage 2 resumes from
+#      its last checkpoint.
+# Then copy the drafter into the package:
+#   cp runs/smollm2-eagle3-ep3/{config.json,model.safetensors,training_record.json} src/hf_specdec/assets/smollm2-drafter/
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SCALING=runs/smollm2-scaling
+OUT=${OUT:-runs/smollm2-eagle3-ep3}
+
+# stage 1 (its results file goes to runs/, leaving the committed three-size curve as it is)
+python scripts/train_smollm2_scaling.py --sizes 1500000 --batch-size 4 --mixed-precision bf16 --threads 2 \
+    --results "$SCALING/stage1"
+
+# stage 2: skipped once it wrote its training record; resumed when it has a checkpoint
+if [ ! -f "$OUT/training_record.json" ]; then
+    RESUME=()
+    if [ -f "$OUT/latest_checkpoint" ]; then RESUME=(--resume); fi
+    hf-specdec train --target smollm2 --dtype bfloat16 --drafter "$SCALING/size-1500000" \
+        --features "$SCALING/features-train" --eval-features "$SCALING/features-eval" --output-dir "$OUT" \
+        --epochs 2 --batch-size 4 --mixed-precision bf16 --lr 1e-3 --save-steps 200 --eval-steps 400 \
+        --logging-steps 50 --report-to none "${RESUME[@]}"
+fi
