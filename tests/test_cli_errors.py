@@ -42,3 +42,52 @@ def test_the_console_script_prints_no_traceback(tmp_path):
     lines = [line for line in run.stderr.strip().splitlines() if "Loading weights" not in line]  # progress bars
     assert len(lines) == 1 and lines[0].startswith("hf-specdec bench: error:") and "Traceback" not in run.stderr
     assert "check the path" in lines[0]
+
+
+@pytest.fixture
+def drafter_folder(tmp_path):
+    from helpers import make_target
+
+    from hf_specdec import AutoModelForDrafting, Eagle3Config
+
+    target = make_target("llama")
+    folder = tmp_path / "drafter"
+    AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config)).save_pretrained(folder)
+    return folder
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("case", ["itself", "itself-by-another-path", "a-file", "another-model"])
+def test_convert_never_writes_over_its_source_a_file_or_another_model(tmp_path, drafter_folder, case, capsys):
+    out = {
+        "itself": drafter_folder,
+        "itself-by-another-path": drafter_folder / ".." / drafter_folder.name,
+        "a-file": tmp_path / "afile",
+        "another-model": tmp_path / "old-run",
+    }[case]
+    if case == "a-file":
+        out.write_text("notes")
+    if case == "another-model":
+        out.mkdir()
+        (out / "tokenizer.json").write_text("{}")
+    before, before_out = _files(drafter_folder), (out.read_bytes() if out.is_file() else None)
+    code = main(["convert", str(drafter_folder), str(out), "--to", "eagle3-vllm"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert {"itself": "is SRC itself", "itself-by-another-path": "is SRC itself", "a-file": "is a file",
+            "another-model": "already holds files (tokenizer.json)"}[case] in err  # fmt: skip
+    assert _files(drafter_folder) == before  # the source is untouched
+    if case == "a-file":
+        assert out.read_bytes() == before_out
+    if case == "another-model":
+        assert sorted(p.name for p in out.iterdir()) == ["tokenizer.json"]
+
+
+def test_convert_into_a_new_or_empty_folder_works(tmp_path, drafter_folder):
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "new", tmp_path / "empty"):
+        assert main(["convert", str(drafter_folder), str(out), "--to", "eagle3-vllm"]) == 0
+        assert (out / "config.json").is_file()

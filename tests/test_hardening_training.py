@@ -171,3 +171,37 @@ def test_resume_falls_back_to_the_newest_complete_checkpoint(tmp_path, target):
     shutil.rmtree(out / "checkpoint-2")
     with pytest.raises(ValueError, match="holds no other complete checkpoint"):
         find_latest_checkpoint(str(out))
+
+
+# ---------------------------------------------------------------------------------------- one run per output folder
+def _run_files(out):
+    return sorted(n for n in os.listdir(out) if n.startswith("checkpoint-"))
+
+
+def test_a_fresh_run_into_another_runs_folder_is_refused_and_overwrite_clears_it_first(tmp_path, target):
+    out = tmp_path / "out"
+    DrafterTrainer(fresh(target), target, args(out, max_steps=6, save_total_limit=None), data()).train()
+    assert _run_files(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    first_record = json.loads((out / "training_record.json").read_text())
+
+    with pytest.raises(ValueError, match=r"already holds a training run .*--resume.*--overwrite-output-dir"):
+        DrafterTrainer(fresh(target), target, args(out, max_steps=4), data(seed=1)).train()
+    assert _run_files(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]  # nothing of the old run was lost
+    assert json.loads((out / "training_record.json").read_text()) == first_record
+
+    # with overwrite, the old run's checkpoints go first: rotation keeps the new run's, the pointer names one of them
+    DrafterTrainer(fresh(target), target, args(out, max_steps=4, overwrite_output_dir=True), data(seed=1)).train()
+    assert _run_files(out) == ["checkpoint-2", "checkpoint-4"]
+    assert find_latest_checkpoint(str(out)).endswith("checkpoint-4")
+    assert json.loads((out / "training_record.json").read_text())["total_steps"] == 4
+
+
+def test_resuming_a_finished_run_keeps_its_record(tmp_path, target):
+    out = tmp_path / "out"
+    record = DrafterTrainer(fresh(target), target, args(out), data()).train()
+    assert record["wall_time_s"] > 0
+    saved = (out / "training_record.json").read_text()
+    with pytest.warns(UserWarning, match="had already finished"):
+        again = DrafterTrainer(fresh(target), target, args(out), data()).train(resume=True)
+    assert again == json.loads(saved)
+    assert (out / "training_record.json").read_text() == saved

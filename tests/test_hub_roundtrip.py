@@ -176,3 +176,22 @@ def test_a_card_from_a_multi_drafter_bench_shows_only_its_own_rows():
     assert "hydra:hydra K=4" in table and "medusa" not in table and "hydra2" not in table
     everything, _ = _results_table(report, "eagle3:other")  # no row of its own: the whole comparison
     assert everything.count("\n") == 4
+
+
+def test_push_refuses_symlinks_that_leave_the_folder(tmp_path, hub):
+    target = make_target("llama")
+    folder = tmp_path / "drafter"
+    AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config)).save_pretrained(folder)
+    secret = tmp_path / "elsewhere.json"
+    secret.write_text('{"secret": "not for the Hub"}')
+    (folder / "training_record.json").symlink_to(secret)
+    commits = len(hub.commits)
+    with pytest.raises(ValueError, match=r"symlinks to files outside it \(training_record\.json\)"):
+        push_drafter(str(folder), "org/leak", endpoint=hub.endpoint, token="t", base_model="org/tiny-llama")
+    assert len(hub.commits) == commits and "org/leak" not in hub.repos  # nothing was created or uploaded
+    # a link that stays inside the folder is fine
+    (folder / "training_record.json").unlink()
+    (folder / "notes.json").write_text("{}")
+    (folder / "evaluation.json").symlink_to(folder / "notes.json")
+    push_drafter(str(folder), "org/ok", endpoint=hub.endpoint, token="t", base_model="org/tiny-llama")
+    assert len(hub.commits) == commits + 1

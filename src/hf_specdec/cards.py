@@ -227,6 +227,7 @@ def push_drafter(
 
     if layout is not None:
         exportable_layout(layout)  # refused before anything is loaded or uploaded
+    _refuse_links_leaving(folder)
     drafter = AutoModelForDrafting.from_pretrained(folder)
     if target is not None:
         drafter.bind_target(target)
@@ -263,6 +264,23 @@ def push_drafter(
             commit_message=commit_message
             or f"Upload {drafter.config.model_type} drafter with hf_specdec"
             + (f" ({layout} layout)" if layout else ""),
+        )
+
+
+def _refuse_links_leaving(folder: str) -> None:
+    """Refuses a folder whose files are symlinks to files outside it: push reads and uploads those files (the
+    training record, the card), so it would publish what lies elsewhere on this machine."""
+    root = os.path.realpath(folder)
+    leaving = [
+        name
+        for name in sorted(os.listdir(folder))
+        if os.path.islink(os.path.join(folder, name))
+        and os.path.commonpath([root, os.path.realpath(os.path.join(folder, name))]) != root
+    ]
+    if leaving:
+        raise ValueError(
+            f"{folder} holds symlinks to files outside it ({', '.join(leaving)}); push would upload what they point "
+            "to. Replace them with copies of the files you mean to publish, or remove them."
         )
 
 

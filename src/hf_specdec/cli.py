@@ -187,6 +187,7 @@ def _train(args) -> int:
         mixed_precision=args.mixed_precision,
         loss_kwargs=_loss_kwargs(args),
         stop_after_steps=args.stop_after_steps,
+        overwrite_output_dir=args.overwrite_output_dir,
         save_steps=args.save_steps,
         eval_steps=args.eval_steps,
         logging_steps=args.logging_steps,
@@ -661,6 +662,7 @@ def _convert(args) -> int:
         return 0
     if not args.src or not args.out:
         raise SystemExit("hf-specdec convert: give SRC and OUT (or --list).")
+    _check_convert_output(args.src, args.out)
     if args.to:
         from .auto import AutoModelForDrafting
 
@@ -683,6 +685,21 @@ def _convert(args) -> int:
     drafter.save_pretrained(args.out)
     print(f"imported {args.src} ({drafter.config.model_type}) -> {args.out}; load it with AutoModelForDrafting")
     return 0
+
+
+def _check_convert_output(src: str, out: str) -> None:
+    """OUT must be a new or empty folder: never the source itself, a file, or a folder holding another model (whose
+    tokenizer, notes and checkpoints would stay beside the converted weights)."""
+    if os.path.exists(src) and os.path.exists(out) and os.path.samefile(src, out):
+        raise SystemExit(f"OUT {out!r} is SRC itself; converting in place would overwrite the "
+                         "source checkpoint. Give a new folder as OUT.")  # fmt: skip
+    if os.path.isfile(out):
+        raise SystemExit(f"OUT {out!r} is a file; give a new folder as OUT.")
+    held = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if held:
+        shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+        raise SystemExit(f"OUT {out!r} already holds files ({shown}); the converted drafter "
+                         "would be mixed with them. Give a new or empty folder as OUT, or remove it first.")  # fmt: skip
 
 
 def _push(args) -> int:
@@ -1037,6 +1054,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-train-examples", type=int, default=None, help="train on this many leading examples")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
+    p.add_argument(
+        "--overwrite-output-dir", action="store_true", help="start over in an --output-dir holding another run"
+    )
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--eval-fraction", type=float, default=0.05)
     p.add_argument("--epochs", type=float, default=1.0)

@@ -69,6 +69,7 @@ class DrafterTrainingArguments:
     report_to: str = "auto"  # none | tensorboard | wandb | auto (whatever is installed)
     progress: bool = True
     stop_after_steps: int = -1  # > 0: stop (with a checkpoint) after this step; --resume continues the same schedule
+    overwrite_output_dir: bool = False  # a fresh run into a folder holding another run clears that run first
 
     def __post_init__(self):
         if self.mixed_precision not in ("no", "bf16", "fp16"):
@@ -190,6 +191,37 @@ def _newest_complete_checkpoint(output_dir: str, exclude: str | None = None) -> 
             continue
         candidates.append((step, not name.startswith("."), name))
     return os.path.join(output_dir, max(candidates)[2]) if candidates else None
+
+
+# What a run leaves in its output folder, besides its checkpoints.
+RUN_FILES = (LATEST_FILE, RECORD_FILE, "config.json", "model.safetensors", "adapter_config.json",
+             "adapter_model.safetensors", ADAPTER_DIR)  # fmt: skip
+
+
+def previous_run_files(output_dir: str) -> list[str]:
+    """The names in ``output_dir`` that a training run wrote (its checkpoints, pointer, record, final weights)."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(n for n in os.listdir(output_dir) if n in RUN_FILES or _checkpoint_step(n) is not None)
+
+
+def prepare_fresh_output_dir(output_dir: str, overwrite: bool, remove: bool = True) -> None:
+    """Refuses to start a fresh run over another run's files (a later ``--resume`` would restore the old run, and
+    checkpoint rotation would delete the new one's), or with ``overwrite`` removes them first (``remove``: this
+    process does the removing; the other processes of a distributed run only check)."""
+    found = previous_run_files(output_dir)
+    if not found:
+        return
+    if not overwrite:
+        shown = ", ".join(found[:6]) + (", ..." if len(found) > 6 else "")
+        raise ValueError(
+            f"{output_dir} already holds a training run ({shown}). Continue it with --resume "
+            "(resume=True), start over with --overwrite-output-dir (overwrite_output_dir=True; its checkpoints "
+            "and model are deleted first), or choose another --output-dir."
+        )
+    for name in found if remove else ():
+        path = os.path.join(output_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
 def find_latest_checkpoint(output_dir: str) -> str | None:
@@ -800,15 +832,9 @@ class DrafterTrainer:
         args, acc = self.args, self.accelerator
         torch.manual_seed(args.seed)
         random.seed(args.seed)
-        if resume:
-            path = resume if isinstance(resume, str) else find_latest_checkpoint(args.output_dir)
-            if path is None:
-                raise ValueError(f"--resume: no checkpoint found in {args.output_dir}.")
-            self.load_checkpoint(path)
-        elif self.step == 0 and not self.is_peft:
-            # Data first: a family's target initialisation may depend on it (e.g. the draft vocabulary's rows).
-            self.unwrapped_drafter.init_from_data(self.token_counts())
-            self.unwrapped_drafter.init_from_target(self.target)
+        finished = self._begin(resume)
+        if finished is not None:
+            return finished
         if self.log_with:
             acc.init_trackers("hf_specdec", config={k: v for k, v in asdict(args).items() if v is not None})
 
@@ -883,6 +909,41 @@ class DrafterTrainer:
         bar.close()
         elapsed = time.perf_counter() - t0
         return self._finish(elapsed, tokens0)
+
+    def _begin(self, resume: bool | str) -> dict | None:
+        """Loads the checkpoint to resume from (returning the record of a run that had already finished), or starts
+        a fresh run: another run's files in ``output_dir`` are refused (or cleared with ``overwrite_output_dir``),
+        and a fresh drafter is initialised from the data and the target."""
+        args = self.args
+        if resume:
+            path = resume if isinstance(resume, str) else find_latest_checkpoint(args.output_dir)
+            if path is None:
+                raise ValueError(f"--resume: no checkpoint found in {args.output_dir}.")
+            self.load_checkpoint(path)
+            return self._finished_record(path)
+        prepare_fresh_output_dir(args.output_dir, args.overwrite_output_dir, remove=self.accelerator.is_main_process)
+        self.accelerator.wait_for_everyone()
+        if self.step == 0 and not self.is_peft:
+            # Data first: a family's target initialisation may depend on it (e.g. the draft vocabulary's rows).
+            self.unwrapped_drafter.init_from_data(self.token_counts())
+            self.unwrapped_drafter.init_from_target(self.target)
+        return None
+
+    def _finished_record(self, checkpoint: str) -> dict | None:
+        """The training record of a run that had already finished (resumed from its intact last checkpoint), else
+        ``None``: a finished run is not finished again, so its record keeps its timings. (Resumed from a copy set
+        aside by an interrupted save, it is finished again, which puts its last checkpoint back.)"""
+        path = os.path.join(self.args.output_dir, RECORD_FILE)
+        intact = os.path.basename(checkpoint) == f"{CHECKPOINT_PREFIX}{self.step}"
+        if self.step < self.total_steps or not intact or not os.path.isfile(path):
+            return None
+        warnings.warn(
+            f"{self.args.output_dir} had already finished (step {self.step} of {self.total_steps}): nothing to "
+            "resume; its training record is kept as it is.",
+            stacklevel=3,
+        )
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
 
     def _finish(self, elapsed: float, tokens: int) -> dict:
         acc, args = self.accelerator, self.args
