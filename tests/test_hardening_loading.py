@@ -73,3 +73,28 @@ def test_mis_shaped_weights_are_refused_with_their_shapes(saved, tmp_path):
     for k, v in loaded.state_dict().items():
         if k != "fc.weight":
             assert torch.equal(v, expected[k]), k
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ('{"model_type": "eagle3_drafter", oops}', r"config\.json is not valid JSON \(line 1, column 34"),
+        ('[{"model_type": "eagle3_drafter"}]', r"config\.json holds a JSON list, not an object"),
+        (b"\xff\xfe{}", r"config\.json is not UTF-8 text"),
+    ],
+    ids=["not-json", "a-list", "not-utf8"],
+)
+def test_a_broken_config_json_is_named_in_the_error(saved, tmp_path, text, match):
+    import shutil
+
+    from hf_specdec.cli import main
+
+    folder = tmp_path / "broken"
+    shutil.copytree(saved[1], folder)
+    config = folder / "config.json"
+    config.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError, match=match):
+        AutoModelForDrafting.from_pretrained(folder)
+    # the CLI says the same in one line (exit 2), for convert too
+    assert main(["convert", str(folder), str(tmp_path / "out"), "--to", "eagle3-vllm"]) == 2
+    assert not (tmp_path / "out").exists()

@@ -244,8 +244,23 @@ class HubCheckpoint(CheckpointFiles):
 
 # ---------------------------------------------------------------------------------------------- file readers
 def _read_json(path: str) -> dict:
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
+    """A JSON object file (``config.json``, a weight index), refused naming the file, line and column when it is not
+    JSON, and naming what it holds when it is not an object."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{path} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); fix or replace the file."
+        ) from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text (byte {err.start}): it is not a JSON file; replace it.") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{path} holds a JSON {type(data).__name__}, not an object of named fields; a config or index file must "
+            "be a JSON object ({...})."
+        )
+    return data
 
 
 def _corrupt(what: str, err: Exception) -> ValueError:
