@@ -406,6 +406,14 @@ def test_unsupported_options_fail_before_generating(kwargs, match):
         target.generate(ids, assistant_model=drafter, max_new_tokens=4, **kwargs)
 
 
+def test_an_empty_prompt_is_refused_before_generating():
+    target = make_target("llama", seed=3)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config))
+    empty = torch.zeros((1, 0), dtype=torch.long)  # (a batch of empty rows fails in transformers' generate first)
+    with pytest.raises(ValueError, match=r"empty prompt \(input_ids of shape \(1, 0\)\): give at least one token"):
+        target.generate(empty, assistant_model=drafter, max_new_tokens=4, do_sample=False)
+
+
 def test_custom_generate_without_drafter_fails_clearly():
     target = make_target("llama", seed=3)
     ids, _ = ragged_batch(1)

@@ -566,6 +566,11 @@ def speculative_generate(
         generation_config = model.generation_config
     streamer = spec_streamer if spec_streamer is not None else streamer
     _validate(model, drafter, generation_config, model_kwargs)
+    if input_ids.shape[-1] == 0:
+        raise ValueError(
+            f"generate got an empty prompt (input_ids of shape {tuple(input_ids.shape)}): give at least one token, "
+            "e.g. the tokenizer's BOS token or the chat template's prefix."
+        )
     if synced_gpus:
         raise ValueError("synced_gpus (DeepSpeed ZeRO-3 / FSDP generation) is not supported by hf_specdec yet.")
 
