@@ -195,3 +195,16 @@ def test_push_refuses_symlinks_that_leave_the_folder(tmp_path, hub):
     (folder / "evaluation.json").symlink_to(folder / "notes.json")
     push_drafter(str(folder), "org/ok", endpoint=hub.endpoint, token="t", base_model="org/tiny-llama")
     assert len(hub.commits) == commits + 1
+
+
+def test_a_card_for_a_training_run_without_base_model_names_the_configs_target(tmp_path):
+    """A `train` output has a training record; without --base-model the card takes the config's target name."""
+    target = make_target("llama")
+    config = Eagle3Config.for_target(target.config)
+    config.target_model_name_or_path = "org/tiny-llama"
+    folder = tmp_path / "run"
+    AutoModelForDrafting.from_config(config).save_pretrained(folder)
+    (folder / "training_record.json").write_text(json.dumps({"target": {"name_or_path": "org/tiny-llama"}}))
+    assert drafter_card(str(folder)).data.base_model == "org/tiny-llama"
+    with pytest.raises(ValueError, match="trained for 'org/tiny-llama'"):
+        drafter_card(str(folder), base_model="org/other-model")

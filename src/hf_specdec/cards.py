@@ -103,10 +103,10 @@ def drafter_card(
         # lower-case: smollm2-135m-instruct for HuggingFaceTB/SmolLM2-135M-Instruct).
         same = (
             os.path.basename(trained_for.rstrip("/")).lower() == base_model.split("/")[-1].lower()
-            if trained_for
+            if trained_for and base_model
             else True
         )
-        if base_model and not same:
+        if not same:
             raise ValueError(
                 f"The training record says this drafter was trained for {trained_for!r}, but the card would name "
                 f"{base_model!r} as its target. Pass the right base_model."
