@@ -91,3 +91,13 @@ def test_convert_into_a_new_or_empty_folder_works(tmp_path, drafter_folder):
     for out in (tmp_path / "new", tmp_path / "empty"):
         assert main(["convert", str(drafter_folder), str(out), "--to", "eagle3-vllm"]) == 0
         assert (out / "config.json").is_file()
+
+
+def test_convert_from_a_layout_the_checkpoint_is_not_in_says_which_it_looks_like(tmp_path, drafter_folder, capsys):
+    foreign = tmp_path / "vllm"
+    assert main(["convert", str(drafter_folder), str(foreign), "--to", "eagle3-vllm"]) == 0
+    out = tmp_path / "out"
+    assert main(["convert", str(foreign), str(out), "--from", "medusa-vllm"]) == 2
+    err = capsys.readouterr().err
+    assert "is not in the 'medusa-vllm' layout" in err and "looks like the 'eagle3-vllm' layout" in err, err
+    assert "Traceback" not in err and not out.exists()

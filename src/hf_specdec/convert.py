@@ -199,7 +199,19 @@ def import_drafter(
         raise ValueError(f"Layout {spec.name!r} is export-only; importable: {_names(lambda x: x.load)}.")
     wanted = None if spec.needed_tensors is None else spec.needed_tensors(files.config, set(files.weight_map))
     state = files.load(wanted)
-    return spec.load(files.config, state, _target_info(target_config, target_num_hidden_layers))
+    try:
+        return spec.load(files.config, state, _target_info(target_config, target_num_hidden_layers))
+    except (KeyError, IndexError) as err:  # a layout named by hand that the checkpoint is not in
+        raise _not_in_layout(files, spec, err) from None
+
+
+def _not_in_layout(files: CheckpointFiles, spec: Layout, err: Exception) -> ValueError:
+    found = _find_layout(files.config, set(files.weight_map))
+    looks = f"it looks like the {found.name!r} layout" if found else "no registered layout recognises it"
+    return ValueError(
+        f"{files.where} is not in the {spec.name!r} layout ({spec.description}): {type(err).__name__} {err} while "
+        f"reading it; {looks}. Name the layout it is in (`--from`), or let it be detected (`--from auto`)."
+    )
 
 
 def _layout_of(files: CheckpointFiles, layout: str) -> Layout:
