@@ -18,6 +18,9 @@ from hf_specdec.cli import main
         (["bench", "--drafter", "/no/such/drafter", "--no-peers"], "/no/such/drafter"),
         (["train", "--data", "/no/such/data.jsonl", "--target", "/no/such/target", "--out", "/tmp/x"], "no/such"),
         (["bench", "--verifier", "nonsense"], "unknown verifier 'nonsense'"),
+        (["bench", "--dtype", "float8", "--no-peers"], "--dtype must be one of auto, float32, bfloat16, float16"),
+        (["selfcheck", "--arch", "bogus"], "--arch 'bogus' is not a tiny architecture selfcheck builds"),
+        (["selfcheck", "--batch", "0"], "--batch must be a positive integer, got 0"),
     ],
 )
 def test_user_mistakes_exit_2_with_one_line(argv, match, capsys):

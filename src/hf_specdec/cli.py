@@ -1098,8 +1098,9 @@ _POSITIVE_INT_OPTIONS = (
     "k", "max_new_tokens", "num_draft_tokens", "repeats", "prompts", "threads", "train_steps", "tree_depth",
     "tree_top_k", "tree_total_tokens", "assistant_tokens", "max_prompts", "max_prompt_tokens", "batch_size",
     "max_length", "grad_accum", "ttt_steps", "draft_vocab_size", "save_steps", "eval_steps", "logging_steps",
-    "lora_r", "lora_alpha", "target_num_layers", "max_train_examples",
+    "lora_r", "lora_alpha", "target_num_layers", "max_train_examples", "batch",
 )  # fmt: skip
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _check_option_values(parser: argparse.ArgumentParser, args) -> None:
@@ -1109,6 +1110,16 @@ def _check_option_values(parser: argparse.ArgumentParser, args) -> None:
         bad = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v < 1]
         if bad:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {bad[0]}")
+    dtype = getattr(args, "dtype", None)
+    if dtype is not None and dtype not in DTYPES:
+        parser.error(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if getattr(args, "command", None) == "selfcheck":
+        from .testing import ARCHS
+
+        unknown = [a for a in args.arch if a not in ARCHS]
+        if unknown:
+            parser.error(f"--arch {unknown[0]!r} is not a tiny architecture selfcheck builds; choose from "
+                         f"{', '.join(ARCHS)}")  # fmt: skip
 
 
 def _one_line(message: str) -> str:
