@@ -64,3 +64,7 @@ def test_demo_drafter_recipe_runs_end_to_end(tmp_path):
     assert drafter.config.draft_vocab_size == 512 and drafter.config.num_draft_tokens == 5
     record = json.load(open(os.path.join(folder, "training_record.json")))
     assert record["steps"] == 2
+    # `demo --train` run again retrains from scratch in the same folder (its earlier run is cleared, not refused)
+    again = train_demo_drafter(target, tok, str(tmp_path), max_steps=3, max_train_files=4, regen_tokens=8,
+                               batch_size=2, draft_vocab_size=512)  # fmt: skip
+    assert json.load(open(os.path.join(again, "training_record.json")))["steps"] == 3

@@ -276,6 +276,7 @@ def train_demo_drafter(
         logging_steps=20,
         seed=seed,
         report_to="none",
+        overwrite_output_dir=not resume,  # a retrain starts from scratch, also over an earlier retrain
     )
     train_drafter(
         target,
