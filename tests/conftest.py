@@ -13,3 +13,15 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 def _seed():
     torch.manual_seed(1234)
     yield
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """The project's local Hub server, with huggingface_hub pointed at it (a module may define its own ``hub``)."""
+    from local_hub import LocalHub, point_client_at
+
+    with LocalHub() as server:
+        point_client_at(server, monkeypatch, tmp_path)
+        monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))  # remote code would land here, never run
+        yield server
+        assert server.unknown == [], f"the client called endpoints the local hub does not implement: {server.unknown}"

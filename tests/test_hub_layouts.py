@@ -15,7 +15,6 @@ import pytest
 import torch
 from helpers import make_target, ragged_batch
 from huggingface_hub import HfApi, constants
-from local_hub import LocalHub, point_client_at
 from safetensors.torch import save_file
 
 from hf_specdec import AutoModelForDrafting, MtpConfig
@@ -34,15 +33,6 @@ EXPORTABLE = {"specblock_drafter": {"context_slots": "all"}}
 def _point_client_at(monkeypatch, endpoint: str) -> None:
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    with LocalHub() as server:
-        point_client_at(server, monkeypatch, tmp_path)
-        monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
-        yield server
-        assert server.unknown == [], f"the client called endpoints the local hub does not implement: {server.unknown}"
 
 
 def _upload(hub, folder, repo_id: str, path_in_repo: str = "", revision: str | None = None) -> None:

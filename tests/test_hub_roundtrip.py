@@ -14,7 +14,6 @@ import pytest
 import torch
 from helpers import make_target, ragged_batch
 from huggingface_hub import HfApi, ModelCard, hf_hub_download
-from local_hub import LocalHub, point_client_at
 from safetensors.torch import load
 
 from hf_specdec import AutoModelForDrafting, Eagle3Config
@@ -22,14 +21,6 @@ from hf_specdec.cards import drafter_card, push_drafter
 
 # huggingface_hub's single-part LFS upload passes the file as `data=`, which httpx2 deprecates; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>' to upload raw bytes:DeprecationWarning")
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    with LocalHub() as server:
-        point_client_at(server, monkeypatch, tmp_path)
-        yield server
-        assert server.unknown == [], f"the client called endpoints the local hub does not implement: {server.unknown}"
 
 
 def _bench_report():

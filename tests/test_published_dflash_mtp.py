@@ -19,7 +19,6 @@ import pytest
 import torch
 from helpers import make_target, ragged_batch
 from huggingface_hub import HfApi
-from local_hub import LocalHub, point_client_at
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -28,15 +27,6 @@ from hf_specdec.convert import detect_layout, export_drafter, import_drafter
 
 # huggingface_hub's single-part LFS upload passes the file as `data=`, which httpx2 deprecates; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>' to upload raw bytes:DeprecationWarning")
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    with LocalHub() as server:
-        point_client_at(server, monkeypatch, tmp_path)
-        monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
-        yield server
-        assert server.unknown == [], f"the client called endpoints the local hub does not implement: {server.unknown}"
 
 
 def _upload(hub, folder, repo_id: str) -> None:

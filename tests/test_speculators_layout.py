@@ -8,7 +8,6 @@ import pytest
 import torch
 from helpers import make_target, ragged_batch
 from huggingface_hub import ModelCard
-from local_hub import LocalHub, point_client_at
 from safetensors.torch import load_file
 
 from hf_specdec import AutoModelForDrafting, DFlashConfig, DSparkConfig, Eagle3Config
@@ -222,14 +221,6 @@ def test_export_without_a_target_and_export_refusals(tmp_path):
     reduced = _drafter("dflash-speculators", target, bind=False, draft_vocab_size=48)
     with pytest.raises(ValueError, match="pass the target"):
         export_drafter(reduced, str(tmp_path / "y"), "dflash-speculators")
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    with LocalHub() as server:
-        point_client_at(server, monkeypatch, tmp_path)
-        yield server
-        assert server.unknown == [], f"the client called endpoints the local hub does not implement: {server.unknown}"
 
 
 def test_push_in_the_speculators_layout_and_load_back_by_repo_id(tmp_path, hub):
