@@ -732,11 +732,13 @@ def _push(args) -> int:
     return 0
 
 
-def _add_target_args(p) -> None:
+def _add_target_args(p, optional_target_help: str | None = None) -> None:
+    """``--target`` (required, unless ``optional_target_help`` describes its default), ``--dtype``, ``--device-map``."""
     p.add_argument(
         "--target",
-        required=True,
-        help="target model: local folder or Hub id, or smollm2 / demo-code (the demo targets)",
+        required=optional_target_help is None,
+        default=None,
+        help=optional_target_help or "target model: local folder or Hub id, or smollm2 / demo-code (the demo targets)",
     )
     p.add_argument("--dtype", default="auto", help="target dtype: auto, float32, bfloat16, float16")
     p.add_argument("--device-map", default=None, help='accelerate placement of the target, e.g. "auto"')
@@ -829,14 +831,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Spec-Bench-style benchmark: plain generate vs drafters vs transformers' assisted generation and "
         "prompt lookup; tokens/s, speedup, tau, acceptance by position, draft cost; JSON, Markdown and PNG",
     )
-    p.add_argument(
-        "--target",
-        default=None,
-        help="target model folder or Hub id, or a demo target: smollm2 (SmolLM2-135M-Instruct) or demo-code (the "
+    _add_target_args(
+        p,
+        "target model folder or Hub id, or a demo target: smollm2 (SmolLM2-135M-Instruct) or demo-code (the "
         "bundled code model, the default); a demo target brings its packaged drafter and prompts",
     )
-    p.add_argument("--dtype", default="auto", help="target dtype: auto, float32, bfloat16, float16")
-    p.add_argument("--device-map", default=None, help='accelerate placement of the target, e.g. "auto"')
     p.add_argument(
         "--drafter", nargs="+", default=None, help="hf_specdec drafter folders / Hub ids (default: a demo target's)"
     )
@@ -921,9 +920,7 @@ def build_parser() -> argparse.ArgumentParser:
         "asd-tune",
         help="freeze ASD's (budget, gate, block cap) on a dev split: highest tau under a quality constraint",
     )
-    p.add_argument("--target", default=None, help="target model, or smollm2 / demo-code (default: the demo code model)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device-map", default=None)
+    _add_target_args(p, "target model, or smollm2 / demo-code (default: the demo code model)")
     p.add_argument("--drafter", default=None, help="drafter folder / Hub id (default: the demo target's drafter)")
     p.add_argument("--prompts", default=None, help="prompt source (default: the demo target's, else demo)")
     p.add_argument("--categories", nargs="+", default=None)
@@ -1054,9 +1051,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-train-examples", type=int, default=None, help="train on this many leading examples")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
-    p.add_argument(
-        "--overwrite-output-dir", action="store_true", help="start over in an --output-dir holding another run"
-    )
+    p.add_argument("--overwrite-output-dir", action="store_true", help="start over in a folder holding another run")
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--eval-fraction", type=float, default=0.05)
     p.add_argument("--epochs", type=float, default=1.0)
