@@ -100,7 +100,7 @@ def synchronize(device: torch.device) -> None:
         fn()
 
 
-def _validate(model, drafter, generation_config, model_kwargs) -> None:
+def _validate(model, drafter, generation_config, input_ids, model_kwargs) -> None:
     from ..modeling_utils import DrafterPreTrainedModel  # deferred: modeling_utils imports this package
 
     if not isinstance(drafter, DrafterPreTrainedModel):
@@ -132,6 +132,11 @@ def _validate(model, drafter, generation_config, model_kwargs) -> None:
         )
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("Speculative decoding needs `input_ids`; `inputs_embeds` is not supported.")
+    if input_ids.shape[-1] == 0:
+        raise ValueError(
+            f"generate got an empty prompt (input_ids of shape {tuple(input_ids.shape)}): give at least one token, "
+            "e.g. the tokenizer's BOS token or the chat template's prefix."
+        )
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError(
@@ -565,12 +570,7 @@ def speculative_generate(
     if generation_config is None:
         generation_config = model.generation_config
     streamer = spec_streamer if spec_streamer is not None else streamer
-    _validate(model, drafter, generation_config, model_kwargs)
-    if input_ids.shape[-1] == 0:
-        raise ValueError(
-            f"generate got an empty prompt (input_ids of shape {tuple(input_ids.shape)}): give at least one token, "
-            "e.g. the tokenizer's BOS token or the chat template's prefix."
-        )
+    _validate(model, drafter, generation_config, input_ids, model_kwargs)
     if synced_gpus:
         raise ValueError("synced_gpus (DeepSpeed ZeRO-3 / FSDP generation) is not supported by hf_specdec yet.")
 
