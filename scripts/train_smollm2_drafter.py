@@ -1,5 +1,8 @@
 #!/usr/bin/env python
-"""Trains the shipped EAGLE-3 drafter for SmolLM2-135M-Instruct with hf_specdec's own pipeline.
+"""Trains an EAGLE-3 drafter for SmolLM2-135M-Instruct with hf_specdec's own pipeline, end to end from prompts.
+
+This built the drafter shipped before issue 24 (480-640 answers). The shipped drafter is now trained on the
+committed ``data/smollm2-distill`` by ``bash scripts/train_smollm2_eagle3.sh``.
 
 Every stage is resumable: rerun the same command after an interruption and it continues where it stopped.
 
@@ -14,7 +17,7 @@ Every stage is resumable: rerun the same command after an interruption and it co
 5. the model card: ``model_cards/smollm2-eagle3.md`` is rendered from the training record and, when given, a bench
    report (``--bench``).
 
-Usage (the shipped drafter; about an hour on 2 CPU cores)::
+Usage (the earlier drafter; about an hour on 2 CPU cores)::
 
     python scripts/train_smollm2_drafter.py --out runs/smollm2-drafter --max-records 480
     cp runs/smollm2-drafter/drafter/{config.json,model.safetensors,training_record.json} \

@@ -205,11 +205,11 @@ def test_controller_is_kept_per_setting_across_calls():
     drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3)).eval()
     ids, mask = ragged_batch(2)
     target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=12, do_sample=False)
-    a = controller_for(drafter, 3, None, 2, False, torch.device("cpu"))
+    a = controller_for(drafter, target, 3, None, 2, False, torch.device("cpu"))
     assert a.passes > 0  # the call above used (and trained) this controller
     target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=12, do_sample=False)
-    assert controller_for(drafter, 3, None, 2, False, torch.device("cpu")) is a
-    assert controller_for(drafter, 3, None, 1, False, torch.device("cpu")) is not a  # another batch size
+    assert controller_for(drafter, target, 3, None, 2, False, torch.device("cpu")) is a
+    assert controller_for(drafter, target, 3, None, 1, False, torch.device("cpu")) is not a  # another batch size
     fixed_passes = a.passes
     out = target.generate(
         ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=12, do_sample=False, draft_length="fixed",

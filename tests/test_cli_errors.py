@@ -104,3 +104,22 @@ def test_convert_from_a_layout_the_checkpoint_is_not_in_says_which_it_looks_like
     err = capsys.readouterr().err
     assert "is not in the 'medusa-vllm' layout" in err and "looks like the 'eagle3-vllm' layout" in err, err
     assert "Traceback" not in err and not out.exists()
+
+
+def test_a_mistyped_local_path_is_said_so_at_once_not_after_hub_retries(tmp_path, monkeypatch, capsys):
+    from hf_specdec import AutoModelForDrafting
+
+    (tmp_path / "runs" / "my-drafter").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # were the Hub asked, this would fail slowly
+    with pytest.raises(FileNotFoundError, match=r"No folder 'runs/my-drafer' exists here .*runs/ holds: my-drafter"):
+        AutoModelForDrafting.from_pretrained("runs/my-drafer")
+    assert main(["convert", "runs/my-drafer", "out", "--to", "eagle3-vllm"]) == 2
+    assert "runs/ holds: my-drafter" in capsys.readouterr().err
+
+
+def test_a_repo_id_the_hub_lacks_says_it_was_taken_for_one(hub):
+    from hf_specdec import AutoModelForDrafting
+
+    with pytest.raises(OSError, match=r"'nobody/nothing' is no local folder, so it was taken for a Hub repository"):
+        AutoModelForDrafting.from_pretrained("nobody/nothing")

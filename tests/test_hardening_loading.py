@@ -98,3 +98,28 @@ def test_a_broken_config_json_is_named_in_the_error(saved, tmp_path, text, match
     # the CLI says the same in one line (exit 2), for convert too
     assert main(["convert", str(folder), str(tmp_path / "out"), "--to", "eagle3-vllm"]) == 2
     assert not (tmp_path / "out").exists()
+
+
+def test_nan_weights_are_refused_naming_the_tensor_in_our_layout_and_a_foreign_one(saved, tmp_path):
+    from safetensors.torch import safe_open
+
+    from hf_specdec.convert import export_drafter
+
+    drafter, path = saved
+    name = next(n for n, p in drafter.named_parameters() if p.dim() == 2)
+
+    def poison(weights, key):
+        weights[key] = weights[key].clone()
+        weights[key].view(-1)[3] = float("nan")
+
+    ours = rewrite(path, tmp_path / "ours", lambda w: poison(w, name))
+    with pytest.raises(ValueError, match=rf"NaN or infinite values in {name}\b.*download it again, or retrain"):
+        AutoModelForDrafting.from_pretrained(ours)
+    target = make_target("llama")
+    export_drafter(drafter.bind_target(target), str(tmp_path / "vllm"), "eagle3-vllm", target=target)
+    with safe_open(str(tmp_path / "vllm" / "model.safetensors"), "pt") as f:
+        foreign_key = next(k for k in f.keys() if f.get_slice(k).get_shape().__len__() == 2)
+    foreign = rewrite(tmp_path / "vllm", tmp_path / "foreign", lambda w: poison(w, foreign_key))
+    with pytest.raises(ValueError, match=r"holds NaN or infinite values in "):
+        AutoModelForDrafting.from_pretrained(foreign, target_config=target.config)
+    assert AutoModelForDrafting.from_pretrained(tmp_path / "vllm", target_config=target.config) is not None

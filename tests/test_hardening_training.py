@@ -205,3 +205,39 @@ def test_resuming_a_finished_run_keeps_its_record(tmp_path, target):
         again = DrafterTrainer(fresh(target), target, args(out), data()).train(resume=True)
     assert again == json.loads(saved)
     assert (out / "training_record.json").read_text() == saved
+
+
+# ---------------------------------------------------------------------------------------------- data that cannot train
+def test_training_data_with_nothing_to_learn_is_refused_saying_what_carries_loss(tmp_path, target):
+    from helpers import chat_tokenizer
+
+    silent = DrafterDataset([{"input_ids": [7, 8, 9, 10], "loss_mask": [0, 0, 0, 0]} for _ in range(4)])
+    with pytest.raises(ValueError, match=r"None of the 4 training examples has a token to train on.*assistant"):
+        DrafterTrainer(fresh(target), target, args(tmp_path / "a"), silent)
+    prompts_only = DrafterDataset.from_records([{"prompt": "hi there"}, {"prompt": "and you"}], chat_tokenizer())
+    assert prompts_only.num_dropped == 2
+    with pytest.raises(ValueError, match=r"holds no examples \(2 records were dropped.*'response'"):
+        DrafterTrainer(fresh(target), target, args(tmp_path / "b"), prompts_only)
+
+
+def test_a_line_that_is_not_utf8_is_named_in_every_kind_of_data_file(tmp_path):
+    from hf_specdec.bench.prompts import load_prompts
+    from hf_specdec.training.sources import load_prompt_source
+
+    good = json.dumps({"prompt": "hello", "response": "hi"}).encode()
+    bad = '{"prompt": "caf\xe9"}'.encode("latin-1")  # latin-1, not UTF-8
+    for name in ("train.jsonl", "prompts.jsonl", "prompts.txt"):
+        (tmp_path / name).write_bytes(good + b"\n" + good + b"\n" + bad + b"\n")
+    match = r":3: not UTF-8 text \(byte b'\\xe9' at column 16\).*Save the file as UTF-8"
+    with pytest.raises(ValueError, match=r"train\.jsonl" + match):
+        load_records(tmp_path / "train.jsonl")
+    with pytest.raises(ValueError, match=r"prompts\.jsonl" + match):
+        load_prompt_source(str(tmp_path / "prompts.jsonl"))
+    with pytest.raises(ValueError, match=r"prompts\.jsonl" + match):
+        load_prompts(str(tmp_path / "prompts.jsonl"))
+    with pytest.raises(ValueError, match=r"prompts\.txt" + match):
+        load_prompts(str(tmp_path / "prompts.txt"))
+    (tmp_path / "fine.jsonl").write_bytes(
+        good + "\n".join(["", json.dumps({"prompt": "café"}, ensure_ascii=False)]).encode() + b"\n"
+    )
+    assert [r["prompt"] for r in load_records(tmp_path / "fine.jsonl")] == ["hello", "café"]

@@ -1,7 +1,8 @@
 """Repository rules: family code stays in its folder, and imports go one way through the layers.
 
 Layers (a module may import its own layer and the ones below, never one above, not even inside a function):
-  1 types      generation/proposals.py, generation/outputs.py, configuration_utils.py, layers.py, features.py
+  1 types      generation/proposals.py, generation/outputs.py, configuration_utils.py, layers.py, features.py,
+               text_files.py (reading users' text files)
   2 core       modeling_utils, verification/, tree/, convert.py (the layout registry), checkpoint_files.py
                (folder or Hub repo files), speculators_format.py (the speculators envelope), registry.py, auto.py
   3 families   models/<family>/ (a family never imports another family), testing.py (the replay drafter)
@@ -33,6 +34,7 @@ LAYERS = {
     "configuration_utils": TYPES,
     "layers": TYPES,
     "features": TYPES,
+    "text_files": TYPES,
     "modeling_utils": CORE,
     "heads": CORE,
     "feature_drafting": CORE,

@@ -59,11 +59,26 @@ def open_checkpoint(
     subfolder = subfolder or ""
     if not _is_repo_id(path):
         return LocalCheckpoint(os.path.join(path, subfolder))
+    _refuse_a_mistyped_local_path(path)
     from huggingface_hub import is_offline_mode
 
     if local_files_only or is_offline_mode():
         return _cached_snapshot(path, subfolder, revision, cache_dir)
     return HubCheckpoint(path, subfolder, revision, token, cache_dir)
+
+
+def _refuse_a_mistyped_local_path(path: str) -> None:
+    """``runs/my-drafter`` is also a valid Hub id; when ``runs/`` is a folder here, it is a local path with a typo, and
+    is said so at once rather than after the Hub's retries."""
+    parent = os.path.dirname(path)
+    if not parent or not os.path.isdir(parent):
+        return
+    near = sorted(os.listdir(parent))
+    shown = ", ".join(near[:8]) + (", ..." if len(near) > 8 else "") if near else "nothing"
+    raise FileNotFoundError(
+        f"No folder {path!r} exists here ({os.path.abspath(path)}); {parent}/ holds: {shown}. Check the path (to load "
+        f"the Hub repository {path!r} instead, run from a folder without a {parent}/ folder)."
+    )
 
 
 def _is_repo_id(path: str) -> bool:
@@ -218,14 +233,21 @@ class HubCheckpoint(CheckpointFiles):
     def local_path(self, name: str) -> str:
         from transformers.utils import cached_file
 
-        path = cached_file(
-            self.repo_id,
-            name,
-            subfolder=self.subfolder,
-            revision=self.revision,
-            token=self.token,
-            cache_dir=self.cache_dir,
-        )
+        try:
+            path = cached_file(
+                self.repo_id,
+                name,
+                subfolder=self.subfolder,
+                revision=self.revision,
+                token=self.token,
+                cache_dir=self.cache_dir,
+            )
+        except OSError as err:
+            raise OSError(
+                f"{self.repo_id!r} is no local folder, so it was taken for a Hub repository id, and {name} could not "
+                f"be fetched from it: {err} If you meant a local folder, check the path; with no network, set "
+                "HF_HUB_OFFLINE=1 to read the Hub cache only."
+            ) from err
         if path is None:  # cached_file answers None (no error) for a missing config.json
             raise ValueError(f"{self.where} has no {name}; a drafter checkpoint needs one.")
         return path

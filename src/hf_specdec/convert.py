@@ -200,9 +200,11 @@ def import_drafter(
     wanted = None if spec.needed_tensors is None else spec.needed_tensors(files.config, set(files.weight_map))
     state = files.load(wanted)
     try:
-        return spec.load(files.config, state, _target_info(target_config, target_num_hidden_layers))
+        drafter = spec.load(files.config, state, _target_info(target_config, target_num_hidden_layers))
     except (KeyError, IndexError) as err:  # a layout named by hand that the checkpoint is not in
         raise _not_in_layout(files, spec, err) from None
+    drafter.refuse_non_finite_weights(files.where)
+    return drafter
 
 
 def _not_in_layout(files: CheckpointFiles, spec: Layout, err: Exception) -> ValueError:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -14,6 +16,9 @@ from transformers import PreTrainedModel
 
 from .configuration_utils import DrafterConfig, get_text_config
 from .generation.proposals import DraftInputs, Proposal, TokenSelector
+
+# Guards binding: a drafter stays bound to one target while any `generate` call with it runs (see `generating_for`).
+_BINDING_LOCK = threading.RLock()
 
 __all__ = [
     "DrafterPreTrainedModel",
@@ -333,8 +338,21 @@ class DrafterPreTrainedModel(PreTrainedModel):
                 "for this drafter configuration.",
                 stacklevel=2,
             )
+        model.refuse_non_finite_weights(pretrained_model_name_or_path)
         model.check_loaded_weights()
         return (model, info) if want_info else model
+
+    def refuse_non_finite_weights(self, where) -> None:
+        """Raises `ValueError` naming the weights that hold NaN or infinite values (a corrupt file, or a training run
+        that diverged): such a drafter would load silently, then fail in sampling or never be accepted."""
+        bad = [name for name, p in self.named_parameters() if p.is_floating_point() and not bool(p.isfinite().all())]
+        if bad:
+            shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            raise ValueError(
+                f"The drafter checkpoint at {where!s} holds NaN or infinite values in {shown}. The file is corrupt or "
+                "was saved from a training run that diverged: download it again, or retrain (a lower learning rate, "
+                "or bf16 instead of fp16, usually keeps training finite)."
+            )
 
     def check_loaded_weights(self) -> None:
         """Family hook run after `from_pretrained` to validate loaded tensors (e.g. vocabulary maps)."""
@@ -392,8 +410,13 @@ class DrafterPreTrainedModel(PreTrainedModel):
         The drafter is moved to the device of the target's LM head (for targets dispatched with
         ``device_map="auto"`` that is where logits come out). Returns ``self``.
         """
-        if self.bound_target is target:
-            return self
+        with _BINDING_LOCK:
+            if self.bound_target is target:
+                return self
+            self._refuse_rebinding_while_generating()
+            return self._bind(target)
+
+    def _bind(self, target: nn.Module) -> DrafterPreTrainedModel:
         self.check_target_compatibility(target)
         self.check_target_adapter(target)
         self.resolve_target_facts(target)
@@ -497,7 +520,37 @@ class DrafterPreTrainedModel(PreTrainedModel):
         of fused features). Run after :meth:`resolve_target_facts`."""
 
     def unbind_target(self) -> None:
-        self.__dict__["_bound"] = {}
+        with _BINDING_LOCK:
+            self._refuse_rebinding_while_generating()
+            self.__dict__["_bound"] = {}
+
+    @contextlib.contextmanager
+    def generating_for(self, target: nn.Module):
+        """Binds the drafter to ``target`` for the whole of one ``generate`` call (the loop enters this).
+
+        Calls in several threads may share one drafter with the same target. While any of them runs, binding the
+        drafter to another target is refused: the running calls would go on drafting with that target's embeddings
+        and head, still lossless but with their acceptance silently lost.
+        """
+        with _BINDING_LOCK:
+            self.bind_target(target)
+            self.__dict__["_generations"] = self.__dict__.get("_generations", 0) + 1
+        try:
+            yield self
+        finally:
+            with _BINDING_LOCK:
+                self.__dict__["_generations"] -= 1
+
+    def _refuse_rebinding_while_generating(self) -> None:
+        running = self.__dict__.get("_generations", 0)
+        if running:
+            bound = self.bound_target
+            name = getattr(getattr(bound, "config", None), "_name_or_path", "") or type(bound).__name__
+            raise RuntimeError(
+                f"This {type(self).__name__} is generating for another target ({name}, {running} call(s) running, "
+                "e.g. in another thread), and stays bound to it until they end. Give each target its own drafter: "
+                "load it again with `AutoModelForDrafting.from_pretrained(...)` for the second target."
+            )
 
     def _borrowed(self, key: str) -> nn.Module:
         module = self.__dict__.get("_bound", {}).get(key)

@@ -17,6 +17,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from ..text_files import text_lines
+
 __all__ = [
     "MT_BENCH_SUBCATEGORIES",
     "SPEC_BENCH_CATEGORIES",
@@ -244,29 +246,27 @@ def _read_humaneval() -> list[PromptItem]:
 
 def _read_txt(path: str) -> list[PromptItem]:
     items = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                continue
-            items.append(PromptItem(id=str(lineno), category="default", text=line.replace("\\n", "\n")))
+    for lineno, line in text_lines(path):
+        line = line.rstrip("\r\n")
+        if not line.strip():
+            continue
+        items.append(PromptItem(id=str(lineno), category="default", text=line.replace("\\n", "\n")))
     return items
 
 
 def _read_jsonl(path: str) -> list[PromptItem]:
     items = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"{path}, line {lineno}: not valid JSON ({err.msg}); prompt files must be JSONL (one JSON object "
-                    f"per line) or .txt (one prompt per line)."
-                ) from None
-            items.append(_parse_object(obj, path, lineno))
+    for lineno, line in text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{path}, line {lineno}: not valid JSON ({err.msg}); prompt files must be JSONL (one JSON object "
+                f"per line) or .txt (one prompt per line)."
+            ) from None
+        items.append(_parse_object(obj, path, lineno))
     return items
 
 

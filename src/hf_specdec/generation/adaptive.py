@@ -49,6 +49,7 @@ bit-reproducible run to run with the adaptive length; pass ``draft_length="fixed
 from __future__ import annotations
 
 import statistics
+import weakref
 from collections import deque
 
 import torch
@@ -330,9 +331,10 @@ class DraftLengthController:
                         self.accepted[d] += 1.0
 
 
-def controller_for(drafter, k_max: int, tree_key, bsz: int, do_sample: bool, device) -> DraftLengthController:
-    """The drafter's controller for this setting (created on first use, then reused across ``generate`` calls)."""
-    memory = drafter.__dict__.setdefault(_MEMORY_ATTR, {})
+def controller_for(drafter, target, k_max: int, tree_key, bsz: int, do_sample: bool, device) -> DraftLengthController:
+    """The drafter's controller for this target and setting (created on first use, then reused across ``generate``
+    calls with that target; forgotten with the target)."""
+    memory = drafter.__dict__.setdefault(_MEMORY_ATTR, weakref.WeakKeyDictionary()).setdefault(target, {})
     key = (str(device), int(bsz), bool(do_sample), tree_key, int(k_max))
     ctrl = memory.get(key)
     if ctrl is None:

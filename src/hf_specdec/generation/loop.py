@@ -23,6 +23,8 @@ the accepted path -> feed back to the drafter`` until every row has finished.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from typing import Any
 
@@ -516,6 +518,20 @@ def _check_proposal(proposal: Proposal, bsz: int, limit: int, drafter) -> None:
 # the loop
 # ------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
+def _holding_the_drafter(generate_fn):
+    """Keeps the drafter bound to the target for the whole call (:meth:`DrafterPreTrainedModel.generating_for`), so
+    that a call in another thread cannot re-bind it to another target midway."""
+
+    @functools.wraps(generate_fn)
+    def generate(model, *args, drafter=None, **kwargs):
+        hold = getattr(drafter, "generating_for", None)  # not a drafter: `_validate` says what to pass
+        with hold(model) if callable(hold) else contextlib.nullcontext():
+            return generate_fn(model, *args, drafter=drafter, **kwargs)
+
+    return generate
+
+
+@_holding_the_drafter
 def speculative_generate(
     model,
     input_ids: torch.LongTensor,
@@ -574,10 +590,15 @@ def speculative_generate(
     if synced_gpus:
         raise ValueError("synced_gpus (DeepSpeed ZeRO-3 / FSDP generation) is not supported by hf_specdec yet.")
 
-    drafter.bind_target(model)
+    bsz, prompt_len = input_ids.shape
+    max_length = generation_config.max_length
+    max_new = max_length - prompt_len
+    if max_new < 1:
+        raise ValueError(f"max_length={max_length} leaves no room for new tokens after a {prompt_len}-token prompt.")
     k_max = int(num_draft_tokens if num_draft_tokens is not None else drafter.config.num_draft_tokens)
     if k_max < 1:
         raise ValueError(f"num_draft_tokens / num_assistant_tokens must be >= 1, got {k_max}.")
+    k_max = min(k_max, max_new)  # no pass commits more tokens than are left
     do_sample = bool(generation_config.do_sample)
     verifier, verifier_options, draft_options = _resolve_options(
         generation_config, verifier, verifier_options, draft_options, drafter
@@ -589,11 +610,14 @@ def speculative_generate(
         raise ValueError(f"draft_length must be one of {DRAFT_LENGTH_MODES}, got {draft_length!r}.")
     tree_kwargs = {k: draft_options.pop(k) for k in TREE_OPTIONS if k in draft_options}
     policy = make_tree_policy(**tree_kwargs)
+    if policy is not None:
+        policy = policy.for_vocabulary(drafter.config.draft_vocab_size)
     if lookup_tokens is None:
         lookup_tokens = getattr(generation_config, "lookup_tokens", None)
     lookup_tokens = 10 if lookup_tokens is None else int(lookup_tokens)
     if lookup_tokens < 0:
         raise ValueError(f"lookup_tokens must be >= 0 (0 turns prompt lookup off), got {lookup_tokens}.")
+    lookup_tokens = min(lookup_tokens, max_new)
     cap = drafter.max_draft_depth  # e.g. a head family drafts at most one token per head
     if cap is not None:
         depth = policy.max_depth if policy is not None else k_max
@@ -609,17 +633,12 @@ def speculative_generate(
     width_max = policy.max_nodes if policy is not None else max(k_max, lookup_tokens)  # most draft nodes in a pass
     depth_max = policy.max_depth if policy is not None else width_max  # most tokens one pass can accept
 
-    bsz, prompt_len = input_ids.shape
     work = drafter.device  # = device of the target's LM head
     in_device = input_ids.device
     input_ids = input_ids.to(work)
     gen = None  # global RNG, like plain generate
     ver.start(bsz, work, do_sample, gen)
 
-    max_length = generation_config.max_length
-    max_new = max_length - prompt_len
-    if max_new < 1:
-        raise ValueError(f"max_length={max_length} leaves no room for new tokens after a {prompt_len}-token prompt.")
     processor = ScoreProcessor(logits_processor, bsz)
     eos_ids, other_criteria = _split_stopping_criteria(stopping_criteria)
     if eos_ids is not None:
@@ -661,7 +680,9 @@ def speculative_generate(
     ctrl = None
     if draft_length == "adaptive":
         tree_key = tuple(sorted((k, repr(v)) for k, v in tree_kwargs.items())) if policy is not None else None
-        ctrl = controller_for(drafter, width_max if policy is not None else k_max, tree_key, bsz, do_sample, work)
+        ctrl = controller_for(
+            drafter, model, width_max if policy is not None else k_max, tree_key, bsz, do_sample, work
+        )
     plain_steps = 0
     pending: list[DraftInputs] = []  # verified slots of plain steps, not yet shown to the drafter
 

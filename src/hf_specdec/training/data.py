@@ -16,7 +16,6 @@ packing, of every packed document) never carries loss.
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import os
@@ -25,6 +24,8 @@ from typing import Any
 
 import torch
 from torch.utils.data import Dataset, Sampler
+
+from ..text_files import text_lines
 
 __all__ = [
     "load_records",
@@ -219,20 +220,18 @@ def _jsonl_files(path: str) -> list[str]:
 
 
 def _read_jsonl(file: str, vocab_size: int | None) -> Iterator[tuple[int, dict]]:
-    opener = gzip.open if file.endswith(".gz") else open
-    with opener(file, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{file}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
-            try:
-                _validate_record(record, vocab_size)
-            except ValueError as e:
-                raise ValueError(f"{file}:{lineno}: {e}") from None
-            yield lineno, record
+    for lineno, line in text_lines(file):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+        try:
+            _validate_record(record, vocab_size)
+        except ValueError as e:
+            raise ValueError(f"{file}:{lineno}: {e}") from None
+        yield lineno, record
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -674,6 +673,31 @@ def check_token_ids(dataset: Any, vocab_size: int, split: str = "training") -> l
             where = source or f"{split} example {i}"
             raise ValueError(f"{where}: {_token_id_error(bad[1], bad[0], vocab_size)}.")
     return lengths
+
+
+def check_has_loss_tokens(dataset: Any) -> None:
+    """Refuses training data with nothing to learn from: no examples, or no example with a loss token.
+
+    Only assistant turns, responses and raw text carry loss; records without them are dropped when tokenised
+    (:attr:`DrafterDataset.num_dropped`), and pre-tokenised ones may carry an all-zero ``loss_mask``. Datasets that
+    are not a :class:`DrafterDataset` (e.g. dumped features) are checked for emptiness only.
+    """
+    dropped = getattr(dataset, "num_dropped", 0)
+    because = f" ({dropped} records were dropped for having no tokens to train on)" if dropped else ""
+    if len(dataset) == 0:
+        raise ValueError(f"The training data holds no examples{because}. {_WHAT_CARRIES_LOSS}")
+    examples = getattr(dataset, "examples", None)
+    if examples is not None and not any(any(ex["loss_mask"]) for ex in examples):
+        raise ValueError(
+            f"None of the {len(examples)} training examples has a token to train on (every loss_mask is 0){because}. "
+            + _WHAT_CARRIES_LOSS
+        )
+
+
+_WHAT_CARRIES_LOSS = (
+    "The loss falls on assistant turns, responses and raw text only: give records with an assistant message, a "
+    "'response' or a 'text', or pre-tokenised records whose 'loss_mask' marks the tokens to learn."
+)
 
 
 def pack_examples(examples: Iterable[Mapping[str, Any]], max_length: int) -> list[dict]:

@@ -13,13 +13,13 @@ ShareGPT and Alpaca rows become ``{"messages": [...]}``; other keys of a row (``
 
 from __future__ import annotations
 
-import gzip
 import itertools
 import json
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ..text_files import read_text
 from .data import RecordList, _validate_record
 
 __all__ = ["load_prompt_source", "normalize_record", "SHAREGPT_ROLES"]
@@ -145,9 +145,7 @@ def normalize_record(row: Mapping[str, Any], where: str = "record") -> dict:
 
 def _read_local(path: str) -> tuple[list, list[str], list[int]]:
     """``(rows, locations, line numbers)`` of a JSON list or JSONL file (gzip-compressed when it ends in ``.gz``)."""
-    opener = gzip.open if path.lower().endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        text = f.read()
+    text = read_text(path)
     if text.lstrip().startswith("["):
         try:
             rows = json.loads(text)

@@ -407,7 +407,7 @@ class DrafterTrainer:
     ):
         from accelerate import Accelerator
 
-        from .data import DataCollator, ResumableBatchSampler, check_token_ids
+        from .data import DataCollator, ResumableBatchSampler, check_has_loss_tokens, check_token_ids
 
         self.args = args
         self.drafter = drafter
@@ -461,6 +461,7 @@ class DrafterTrainer:
         drafter.to(self.accelerator.device)
         self.target_head = target.get_output_embeddings()
 
+        check_has_loss_tokens(train_dataset)
         # An id the target does not have fails deep inside it (or is miscounted): refuse it here, naming its line.
         vocab = _target_vocab_size(base_target, drafter)
         lengths = check_token_ids(train_dataset, vocab, "training")

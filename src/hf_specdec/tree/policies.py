@@ -24,6 +24,7 @@ treats as point masses, so sampling stays exact.
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 from dataclasses import dataclass
@@ -81,6 +82,11 @@ class TreePolicy:
     def max_depth(self) -> int:
         raise NotImplementedError
 
+    def for_vocabulary(self, vocab: int) -> TreePolicy:
+        """This policy for a drafter that drafts over ``vocab`` tokens: sizes capped at what that vocabulary can
+        fill, or a `ValueError` when the tree cannot be built from it. The loop calls it before sizing buffers."""
+        return self
+
 
 def _to_target(ids: torch.LongTensor, vocab_ids: torch.LongTensor | None) -> torch.LongTensor:
     return ids if vocab_ids is None else vocab_ids.to(ids.device)[ids]
@@ -121,6 +127,15 @@ class StaticTree(TreePolicy):
     @property
     def max_depth(self) -> int:
         return max(len(p) for p in self.paths)
+
+    def for_vocabulary(self, vocab: int) -> StaticTree:
+        too_deep = [p for p in self.paths if max(p) >= vocab]
+        if too_deep:
+            raise ValueError(
+                f"Static tree path {too_deep[0]} asks for child rank {max(too_deep[0])}, but the drafter drafts over "
+                f"{vocab} tokens (ranks 0..{vocab - 1}); use ranks below {vocab}."
+            )
+        return self
 
     def propose(self, drafter, state) -> Proposal:
         _check_drafter(drafter)
@@ -193,7 +208,18 @@ class DynamicTree(TreePolicy):
         self.depth = depth
         self.top_k = top_k
         self.keep_greedy_path = bool(keep_greedy_path)
-        self.total_tokens = min(total_tokens, top_k + (depth - 1) * top_k * top_k)
+        self.total_tokens = min(total_tokens, self._largest_tree(top_k))
+
+    def _largest_tree(self, top_k: int) -> int:
+        return top_k + (self.depth - 1) * top_k * top_k
+
+    def for_vocabulary(self, vocab: int) -> DynamicTree:
+        if self.top_k <= vocab:
+            return self
+        capped = copy.copy(self)  # a policy the caller passed is left as it is
+        capped.top_k = vocab
+        capped.total_tokens = min(self.total_tokens, self._largest_tree(vocab))
+        return capped
 
     @property
     def max_nodes(self) -> int:
