@@ -518,6 +518,20 @@ def _check_proposal(proposal: Proposal, bsz: int, limit: int, drafter) -> None:
 # the loop
 # ------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
+def _generation_room(generation_config, prompt_len: int) -> tuple[int, int]:
+    """``(max_length, new tokens to generate)``; refuses a prompt that leaves no room."""
+    max_length = generation_config.max_length
+    if max_length - prompt_len < 1:
+        raise ValueError(f"max_length={max_length} leaves no room for new tokens after a {prompt_len}-token prompt.")
+    return max_length, max_length - prompt_len
+
+
+def _tree_policy_for(drafter, tree_kwargs: dict):
+    """The tree policy the ``tree=`` options ask for, fitted to the drafter's vocabulary (``None``: chains)."""
+    policy = make_tree_policy(**tree_kwargs)
+    return None if policy is None else policy.for_vocabulary(drafter.config.draft_vocab_size)
+
+
 def _holding_the_drafter(generate_fn):
     """Keeps the drafter bound to the target for the whole call (:meth:`DrafterPreTrainedModel.generating_for`), so
     that a call in another thread cannot re-bind it to another target midway."""
@@ -591,10 +605,7 @@ def speculative_generate(
         raise ValueError("synced_gpus (DeepSpeed ZeRO-3 / FSDP generation) is not supported by hf_specdec yet.")
 
     bsz, prompt_len = input_ids.shape
-    max_length = generation_config.max_length
-    max_new = max_length - prompt_len
-    if max_new < 1:
-        raise ValueError(f"max_length={max_length} leaves no room for new tokens after a {prompt_len}-token prompt.")
+    max_length, max_new = _generation_room(generation_config, prompt_len)
     k_max = int(num_draft_tokens if num_draft_tokens is not None else drafter.config.num_draft_tokens)
     if k_max < 1:
         raise ValueError(f"num_draft_tokens / num_assistant_tokens must be >= 1, got {k_max}.")
@@ -609,9 +620,7 @@ def speculative_generate(
     if draft_length not in DRAFT_LENGTH_MODES:
         raise ValueError(f"draft_length must be one of {DRAFT_LENGTH_MODES}, got {draft_length!r}.")
     tree_kwargs = {k: draft_options.pop(k) for k in TREE_OPTIONS if k in draft_options}
-    policy = make_tree_policy(**tree_kwargs)
-    if policy is not None:
-        policy = policy.for_vocabulary(drafter.config.draft_vocab_size)
+    policy = _tree_policy_for(drafter, tree_kwargs)
     if lookup_tokens is None:
         lookup_tokens = getattr(generation_config, "lookup_tokens", None)
     lookup_tokens = 10 if lookup_tokens is None else int(lookup_tokens)
