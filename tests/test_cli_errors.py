@@ -123,3 +123,24 @@ def test_a_repo_id_the_hub_lacks_says_it_was_taken_for_one(hub):
 
     with pytest.raises(OSError, match=r"'nobody/nothing' is no local folder, so it was taken for a Hub repository"):
         AutoModelForDrafting.from_pretrained("nobody/nothing")
+
+
+@pytest.mark.parametrize(
+    "name,hint", [("eagle4", "Did you mean 'eagle3'"), ("medusa-3", "'medusa'"), ("zzz", "Families: ")]
+)
+def test_a_mistyped_family_name_is_said_so_with_the_nearest_names_not_sent_to_the_hub(name, hint, monkeypatch):
+    import huggingface_hub
+    from helpers import make_target
+
+    from hf_specdec.training.recipes import make_drafter
+
+    def no_hub(*a, **k):
+        raise AssertionError("the Hub was asked")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_hub)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_hub)
+    with pytest.raises(
+        ValueError, match=rf"'{name}' is not a drafter family and no folder '{name}' exists here"
+    ) as err:
+        make_drafter(make_target("llama"), name)
+    assert hint in str(err.value) and "namespace/name" in str(err.value)

@@ -241,3 +241,92 @@ def test_a_line_that_is_not_utf8_is_named_in_every_kind_of_data_file(tmp_path):
         good + "\n".join(["", json.dumps({"prompt": "café"}, ensure_ascii=False)]).encode() + b"\n"
     )
     assert [r["prompt"] for r in load_records(tmp_path / "fine.jsonl")] == ["hello", "café"]
+
+
+# ---------------------------------------------------------------------------------------------- a full disk
+def _leftovers(out):
+    return sorted(n for n in os.listdir(out) if ".tmp-" in n)
+
+
+def _checkpoint_bytes(ckpt):
+    return {name: open(os.path.join(ckpt, name), "rb").read() for name in sorted(os.listdir(ckpt))}
+
+
+def _failing_writer(form):
+    """The three ways a full disk surfaces while a checkpoint is written, each from the writer that raises it."""
+    from safetensors import SafetensorError
+
+    errors = {
+        "oserror": OSError(28, "No space left on device"),
+        "torch": RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 128 vs 64; file write failed"),
+        "safetensors": SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'),
+    }  # fmt: skip
+
+    def write(*_a, **_k):
+        raise errors[form]
+
+    return write
+
+
+@pytest.mark.parametrize("form", ["oserror", "torch", "safetensors"])
+def test_a_full_disk_while_checkpointing_says_so_keeps_the_previous_checkpoint_and_leaves_no_temporaries(
+    tmp_path, target, monkeypatch, form
+):
+    out = tmp_path / "out"
+    DrafterTrainer(fresh(target), target, args(out, stop_after_steps=2), data()).train()
+    before = _checkpoint_bytes(out / "checkpoint-2")
+    resumed = DrafterTrainer(fresh(target), target, args(out), data())
+    if form == "safetensors":
+        monkeypatch.setattr(resumed.unwrapped_drafter, "save_pretrained", _failing_writer(form))
+    else:
+        monkeypatch.setattr(torch, "save", _failing_writer(form))
+    with pytest.raises(OSError, match=r"No space left on the device while saving checkpoint-4 in .*out.*the previous "
+                                      r"checkpoint 'checkpoint-2' is intact.*rerun with --resume"):  # fmt: skip
+        resumed.train(resume=True)
+    assert _leftovers(out) == []
+    assert (out / "latest_checkpoint").read_text() == "checkpoint-2"
+    assert _checkpoint_bytes(out / "checkpoint-2") == before
+    monkeypatch.undo()
+    record = DrafterTrainer(fresh(target), target, args(out), data()).train(resume=True)  # space freed: it finishes
+    assert record["total_steps"] == 4 and find_latest_checkpoint(str(out)).endswith("checkpoint-4")
+
+
+def test_another_error_while_checkpointing_is_raised_as_it_is_and_leaves_no_temporaries(tmp_path, target, monkeypatch):
+    out = tmp_path / "out"
+    trainer = DrafterTrainer(fresh(target), target, args(out, stop_after_steps=2), data())
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(TypeError("cannot pickle 'generator'")))
+    with pytest.raises(TypeError, match="cannot pickle"):
+        trainer.train()
+    assert _leftovers(out) == [] and not (out / "latest_checkpoint").exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MB tmpfs, where this machine lets the test mount one (root in a container that allows it)."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}); the patched writers test the same")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_really_full_disk_while_checkpointing_keeps_the_previous_checkpoint(small_disk, target):
+    out = small_disk / "out"
+    DrafterTrainer(fresh(target), target, args(out, stop_after_steps=2), data()).train()
+    before = _checkpoint_bytes(out / "checkpoint-2")
+    free = shutil.disk_usage(small_disk).free
+    with open(small_disk / "filler", "wb") as fh:  # leave a few KB: too little for another checkpoint
+        fh.write(b"\0" * max(free - 8192, 0))
+    with pytest.raises(
+        OSError, match=r"No space left on the device while saving checkpoint-4.*'checkpoint-2' is intact"
+    ):
+        DrafterTrainer(fresh(target), target, args(out), data()).train(resume=True)
+    assert _leftovers(out) == [] and (out / "latest_checkpoint").read_text() == "checkpoint-2"
+    assert _checkpoint_bytes(out / "checkpoint-2") == before
+    os.remove(small_disk / "filler")
+    record = DrafterTrainer(fresh(target), target, args(out), data()).train(resume=True)
+    assert record["total_steps"] == 4

@@ -199,3 +199,19 @@ def test_a_card_for_a_training_run_without_base_model_names_the_configs_target(t
     assert drafter_card(str(folder)).data.base_model == "org/tiny-llama"
     with pytest.raises(ValueError, match="trained for 'org/tiny-llama'"):
         drafter_card(str(folder), base_model="org/other-model")
+
+
+@pytest.mark.parametrize("repo_id", ["org/../x", "org/a--b", "../x", "a/b/c", "org/x."])
+def test_push_to_an_invalid_repo_id_says_it_is_one_not_a_missing_folder(tmp_path, hub, repo_id, capsys):
+    from hf_specdec.cli import main
+
+    target = make_target("llama")
+    folder = tmp_path / "drafter"
+    AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config)).save_pretrained(folder)
+    commits = len(hub.commits)
+    capsys.readouterr()  # the save's progress bar
+    code = main(["push", str(folder), repo_id, "--endpoint", hub.endpoint, "--token", "t", "--base-model", "org/t"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"{repo_id!r} is not a Hub repository id to push to" in err[0] and "no such folder" not in err[0]
+    assert len(hub.commits) == commits

@@ -1,13 +1,14 @@
 """Repository rules: family code stays in its folder, and imports go one way through the layers.
 
 Layers (a module may import its own layer and the ones below, never one above, not even inside a function):
-  1 types      generation/proposals.py, generation/outputs.py, configuration_utils.py, layers.py, features.py,
-               text_files.py (reading users' text files)
+  1 types      types.py (proposals, feedback, verification results, outputs), configuration_utils.py, layers.py,
+               features.py, text_files.py (reading users' text files)
   2 core       modeling_utils, verification/, tree/, convert.py (the layout registry), checkpoint_files.py
-               (folder or Hub repo files), speculators_format.py (the speculators envelope), registry.py, auto.py
+               (folder or Hub repo files), speculators_format.py (the speculators envelope), registry.py, auto.py,
+               cards.py (model cards and push)
   3 families   models/<family>/ (a family never imports another family), testing.py (the replay drafter)
   4 consumers  generation/ (the loop, the hook), training/, bench/
-  5 top        cards.py, cli.py, demo.py, selfcheck.py, the package's __init__.py
+  5 top        cli.py, demo.py, selfcheck.py, the package's __init__.py
 """
 
 import ast
@@ -18,7 +19,6 @@ import tokenize
 import pytest
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "hf_specdec")
-FAMILY_NAMES = ("eagle", "medusa", "hydra", "blockwise", "mtp", "dflash", "dspark", "specblock")
 # A family name anywhere in a word ("Eagle3Config", "eagle3_drafter", "EAGLE-3"), except "mtp", which is only a
 # name when it is not part of a longer word, and "eagle2" / "EAGLE-2", which names a tree policy (the dynamic tree of
 # hf_specdec.tree, usable with any drafter that drafts trees), not a drafter family.
@@ -29,8 +29,7 @@ FAMILY_RE = re.compile(
 TYPES, CORE, FAMILIES, CONSUMERS, TOP = 1, 2, 3, 4, 5
 LAYER_NAMES = {TYPES: "types", CORE: "core", FAMILIES: "families", CONSUMERS: "consumers", TOP: "top"}
 LAYERS = {
-    "generation.proposals": TYPES,
-    "generation.outputs": TYPES,
+    "types": TYPES,
     "configuration_utils": TYPES,
     "layers": TYPES,
     "features": TYPES,
@@ -45,6 +44,7 @@ LAYERS = {
     "speculators_format": CORE,
     "registry": CORE,
     "auto": CORE,
+    "cards": CORE,
     "models": FAMILIES,
     "testing": FAMILIES,
     "generation": CONSUMERS,
@@ -53,7 +53,6 @@ LAYERS = {
     "chat_prompts": CONSUMERS,
     "gguf_target": CONSUMERS,
     "assistant": CONSUMERS,
-    "cards": TOP,
     "cli": TOP,
     "demo": TOP,
     "selfcheck": TOP,
@@ -88,14 +87,27 @@ def layer_of(module: str) -> int:
     raise AssertionError(f"hf_specdec.{module} has no layer: add it to LAYERS in tests/test_repository.py")
 
 
-def imports_of(path: str) -> list[tuple[str, int]]:
-    """Every hf_specdec module ``path`` imports (module level and inside functions), with line numbers."""
+def _executed_at_import(tree: ast.AST):
+    """The nodes that run when the module is imported: not function bodies, not ``if TYPE_CHECKING:`` blocks."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from (n for child in node.orelse for n in [child, *_executed_at_import(child)])
+            continue
+        yield node
+        yield from _executed_at_import(node)
+
+
+def imports_of(path: str, at_import_only: bool = False) -> list[tuple[str, int]]:
+    """Every hf_specdec module ``path`` imports (module level and inside functions, or with ``at_import_only`` only
+    those its import runs), with line numbers."""
     module = _module_name(path)
     package = module if (_is_package(module) or module == "__init__") else module.rpartition(".")[0]
     package = "" if package == "__init__" else package
     tree = ast.parse(open(path, encoding="utf-8").read(), path)
     found = []
-    for node in ast.walk(tree):
+    for node in _executed_at_import(tree) if at_import_only else ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name == "hf_specdec" or alias.name.startswith("hf_specdec."):
@@ -174,10 +186,77 @@ def test_imports_go_one_way():
     assert not violations, "imports against the layers:\n" + "\n".join(violations)
 
 
+def _ancestors(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:n]) for n in range(1, len(parts))]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """What importing each module runs: its module-level imports, and with each the ``__init__`` of every package
+    above the imported module (``from ..generation.proposals import X`` runs ``generation/__init__``), except the
+    packages that hold the importing module itself (those are already running)."""
+    graph: dict[str, set[str]] = {}
+    for path in _python_files(SRC):
+        module = _module_name(path)
+        mine = set(_ancestors(module)) | {module}
+        edges = graph.setdefault(module, set())
+        for imported, _ in imports_of(path, at_import_only=True):
+            edges.update(m for m in [*_ancestors(imported), imported] if m not in mine and m != "__init__")
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected group of modules (depth-first search)."""
+    cycles, done = [], set()
+
+    def visit(node, stack, on_stack):
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in on_stack:
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
+            elif nxt not in done:
+                on_stack.add(nxt)
+                visit(nxt, stack + [nxt], on_stack)
+                on_stack.discard(nxt)
+        done.add(node)
+
+    for start in sorted(graph):
+        if start not in done:
+            visit(start, [start], {start})
+    return cycles
+
+
+def test_module_level_imports_form_no_cycle():
+    """Importing any module never comes back to one still being imported, counting the package ``__init__`` files an
+    import runs: so no import needs deferring into a function to break a cycle."""
+    cycles = import_cycles(import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(f"hf_specdec.{m}" for m in c) for c in cycles)
+
+
+def test_cycle_check_can_fail(tmp_path, monkeypatch):
+    """A type module under a package whose ``__init__`` imports the loop, which imports a verifier that imports the
+    type: the cycle runs through the ``__init__``, and the check finds it; a function-level import is not one."""
+    import test_repository as rules
+
+    fake = tmp_path / "hf_specdec"
+    (fake / "generation").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "generation" / "__init__.py").write_text("from .loop import run\n")
+    (fake / "generation" / "loop.py").write_text("from ..verifier import verify\n")
+    (fake / "generation" / "proposals.py").write_text("")
+    (fake / "verifier.py").write_text("def verify():\n    from . import cli\nfrom .generation.proposals import P\n")
+    (fake / "cli.py").write_text("from .generation import run\n")
+    monkeypatch.setattr(rules, "SRC", str(fake))
+    graph = rules.import_graph()
+    assert ["generation", "generation.loop", "verifier", "generation"] in rules.import_cycles(graph)
+    assert "cli" not in graph["verifier"]
+    (fake / "verifier.py").write_text("from .types import P\n")
+    assert rules.import_cycles(rules.import_graph()) == []
+
+
 @pytest.mark.parametrize(
     "source, module, bad",
     [
-        ("from .cards import push_drafter\n", "modeling_utils", True),  # core -> top
+        ("from .cli import main\n", "modeling_utils", True),  # core -> top
         ("def f():\n    from ...training.trainer import x\n", "models.fam.modeling_fam", True),  # in a function
         ("import hf_specdec.cli\n", "registry", True),
         ("from ..other import y\n", "models.fam.modeling_fam", True),  # a family importing another family

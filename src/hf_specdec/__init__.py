@@ -5,7 +5,6 @@ installs the narrow ``generate`` hook (see :mod:`hf_specdec.generation.hook`) so
 ``target.generate(..., assistant_model=drafter)`` runs hf_specdec's loop for hf_specdec drafters only.
 """
 
-from . import cards as _cards  # noqa: F401  (registers the publisher behind DrafterPreTrainedModel.push_to_hub)
 from . import models
 from .auto import AutoModelForDrafting
 from .configuration_utils import DrafterConfig

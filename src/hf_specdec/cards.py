@@ -225,6 +225,7 @@ def push_drafter(
     from .auto import AutoModelForDrafting
     from .convert import export_drafter, exportable_layout
 
+    _check_repo_id(repo_id)
     if layout is not None:
         exportable_layout(layout)  # refused before anything is loaded or uploaded
     _refuse_links_leaving(folder)
@@ -267,6 +268,20 @@ def push_drafter(
         )
 
 
+def _check_repo_id(repo_id: str) -> None:
+    """The Hub's own rule for repository names, said as a push target (not as a folder that could not be found)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise ValueError(
+            f"{repo_id!r} is not a Hub repository id to push to: give 'name' or 'namespace/name', made of letters, "
+            "digits, '-', '_' and '.', without '--' or '..', not starting or ending with '-' or '.', at most 96 "
+            "characters (e.g. 'my-org/my-drafter')."
+        ) from None
+
+
 def _refuse_links_leaving(folder: str) -> None:
     """Refuses a folder whose files are symlinks to files outside it: push reads and uploads those files (the
     training record, the card), so it would publish what lies elsewhere on this machine."""
@@ -282,12 +297,3 @@ def _refuse_links_leaving(folder: str) -> None:
             f"{folder} holds symlinks to files outside it ({', '.join(leaving)}); push would upload what they point "
             "to. Replace them with copies of the files you mean to publish, or remove them."
         )
-
-
-def _register() -> None:
-    from .modeling_utils import register_drafter_publisher
-
-    register_drafter_publisher(push_drafter)
-
-
-_register()  # DrafterPreTrainedModel.push_to_hub uploads through push_drafter

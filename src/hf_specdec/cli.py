@@ -323,7 +323,7 @@ def _bench_methods(args, target):
             methods[first:] = adapted_target_methods(drafter, adapted, methods[first:])
     unused = sorted({key for options in _draft_option_args(args) for key in options} - used_options)
     if unused:
-        raise SystemExit(f"hf-specdec bench: no drafter here declares the drafting option(s) {unused}.")
+        raise SystemExit(f"no drafter here declares the drafting option(s) {unused}.")
     if not args.no_peers:
         assistant = args.assistant
         if assistant is None and shortcut is not None and shortcut.assistant and os.path.isdir(shortcut.assistant):
@@ -369,7 +369,7 @@ def _profile(args) -> int:
     if args.drafter:
         drafter = AutoModelForDrafting.from_pretrained(args.drafter)
         if "verify_seconds" not in type(drafter.config).__annotations__:
-            raise SystemExit(f"hf-specdec profile: {type(drafter).__name__} reads no pass times (verify_seconds).")
+            raise SystemExit(f"{type(drafter).__name__} reads no pass times (verify_seconds).")
         drafter.check_target_compatibility(target)
         drafter.config.verify_seconds = {k: table[k] for k in ("batch_sizes", "widths", "seconds")}
         drafter.config.verify_seconds["device"] = table["hardware"].get("device_name") or table["hardware"]["device"]
@@ -387,7 +387,7 @@ def _calibrate(args) -> int:
 
     drafter = AutoModelForDrafting.from_pretrained(args.drafter)
     if not hasattr(drafter, "calibrate_confidence"):
-        raise SystemExit(f"hf-specdec calibrate: {type(drafter).__name__} has no confidence head to calibrate.")
+        raise SystemExit(f"{type(drafter).__name__} has no confidence head to calibrate.")
     target, _ = _load_target(args)
     drafter.check_target_compatibility(target)
     drafter.bind_target(target)
@@ -446,7 +446,7 @@ def _verifier_options(args, verifier: str) -> dict | None:
 
     cls = VERIFIERS.get(verifier)
     if cls is None:
-        raise SystemExit(f"hf-specdec: unknown verifier {verifier!r}; available: {', '.join(sorted(VERIFIERS))}")
+        raise SystemExit(f"unknown verifier {verifier!r}; available: {', '.join(sorted(VERIFIERS))}")
     options = {
         arg: getattr(args, key) for key, arg in cls.generate_options.items() if getattr(args, key, None) is not None
     }
@@ -550,7 +550,7 @@ def _bench(args) -> int:
         try:
             dev, test = split_prompts(prompts, args.dev_fraction)
         except ValueError as e:
-            raise SystemExit(f"hf-specdec bench --split {args.split}: {e}") from None
+            raise SystemExit(f"--split {args.split}: {e}") from None
         prompts = dev if args.split == "dev" else test
         source = f"{source} ({args.split} split, dev fraction {args.dev_fraction})"
     target, tokenizer = _bench_target(args)
@@ -1085,7 +1085,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-r", type=int, default=8)
     p.add_argument("--lora-alpha", type=int, default=16)
     p.set_defaults(func=_train)
+    _add_debug_option(parser, sub)
     return parser
+
+
+def _add_debug_option(parser, sub) -> None:
+    """``--debug``, before or after the command name: a user mistake shows its traceback instead of one line."""
+    text = "on a user mistake, show the traceback instead of one line (also: HF_SPECDEC_TRACEBACK=1)"
+    parser.add_argument("--debug", action="store_true", help=text)
+    for command in sub.choices.values():  # SUPPRESS: the command's default does not undo a --debug given before it
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=text)
 
 
 # Integer options that must be >= 1 when given (0 or a negative value is a mistake, never "use the default").
@@ -1124,7 +1133,7 @@ def _one_line(message: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """The ``hf-specdec`` command. A user's mistake (a missing file, a bad option value, an unknown family, a drafter
     that does not fit the target, ...) prints one line saying what to do and returns 2, without a traceback; set
-    ``HF_SPECDEC_TRACEBACK=1`` to see the traceback instead."""
+    ``--debug`` (or ``HF_SPECDEC_TRACEBACK=1``) to see the traceback instead."""
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line, for records that name it
@@ -1138,13 +1147,19 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     except (ValueError, OSError) as err:  # OSError: missing files, and transformers' "cannot load" errors
-        if os.environ.get("HF_SPECDEC_TRACEBACK"):
+        if args.debug or os.environ.get("HF_SPECDEC_TRACEBACK"):
             raise
-        message = _one_line(err)
-        if "Repo id must be" in message:  # a local path that does not exist, read as a Hub id by the Hub client
-            message = f"no such folder, and not a Hub id: check the path ({message})"
-        print(f"{command}: error: {message}", file=sys.stderr)
+        print(f"{command}: error: {_user_message(err)}", file=sys.stderr)
         return 2
+
+
+def _user_message(err: Exception) -> str:
+    message = _one_line(err)
+    if "Repo id must be" in message:  # a local path that does not exist, read as a Hub id by the Hub client
+        return f"no such folder, and not a Hub id: check the path ({message})"
+    if isinstance(err, FileNotFoundError) and err.filename and message.startswith("[Errno"):  # the OS's own words
+        return f"no such file or folder: {err.filename}; check the path."
+    return message
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .generation.proposals import DraftInputs, Proposal, TokenSelector
 from .layers import SlotKVCache
+from .types import DraftInputs, Proposal, TokenSelector
 
 __all__ = ["FeatureDraftState", "FeatureAutoregressiveMixin"]
 

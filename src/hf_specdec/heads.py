@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .generation.proposals import DraftInputs, Proposal, TokenSelector
 from .modeling_utils import depthwise_distillation_loss
+from .types import DraftInputs, Proposal, TokenSelector
 
 __all__ = ["HeadsDraftState", "ParallelHeadsMixin", "last_verified"]
 

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .configuration_utils import DrafterConfig, get_text_config
-from .generation.proposals import DraftInputs, Proposal, TokenSelector
+from .types import DraftInputs, Proposal, TokenSelector
 
 # Guards binding: a drafter stays bound to one target while any `generate` call with it runs (see `generating_for`).
 _BINDING_LOCK = threading.RLock()
@@ -26,7 +26,6 @@ __all__ = [
     "DraftLossOutput",
     "depthwise_distillation_loss",
     "DEFAULT_LOSS_RATES",
-    "register_drafter_publisher",
     "target_lm_head_device",
     "target_vocab_size",
 ]
@@ -125,18 +124,6 @@ def depthwise_distillation_loss(
     metrics = {"correct": torch.stack(correct), "valid": torch.stack(valid_n)}
     metrics.update(walk_metrics(walk_passes(accepted, loss_mask, walk_k), device=device))
     return DraftLossOutput(loss=loss, metrics=metrics, accepted=accepted)
-
-
-_PUBLISHER: dict[str, Any] = {}
-
-
-def register_drafter_publisher(push: Any) -> None:
-    """Sets the function :meth:`DrafterPreTrainedModel.push_to_hub` uploads with:
-    ``push(folder, repo_id, **options)`` (``hf_specdec.cards.push_drafter``: weights plus a generated model card).
-
-    A registration keeps this core module free of imports from the publishing layer.
-    """
-    _PUBLISHER["push"] = push
 
 
 def adapter_fingerprint(model: nn.Module) -> str:
@@ -712,20 +699,17 @@ class DrafterPreTrainedModel(PreTrainedModel):
 
         The card (:func:`hf_specdec.cards.drafter_card`) names the target as ``base_model`` (pass it when the
         config's target name is a local path), and takes its results table from an ``hf-specdec bench`` JSON.
-        The upload itself is done by the publisher registered with :func:`register_drafter_publisher`
-        (``hf_specdec.cards`` registers one when ``hf_specdec`` is imported; this layer never imports it).
+        The upload is :func:`hf_specdec.cards.push_drafter`'s.
         """
         import tempfile
 
-        if _PUBLISHER.get("push") is None:
-            raise RuntimeError(
-                "No drafter publisher is registered: `import hf_specdec` (which registers hf_specdec.cards') first."
-            )
+        from .cards import push_drafter
+
         if kwargs:
             raise TypeError(f"push_to_hub got unsupported arguments {sorted(kwargs)}.")
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(tmp)
-            return _PUBLISHER["push"](
+            return push_drafter(
                 tmp,
                 repo_id,
                 private=private,
@@ -911,6 +895,6 @@ class ReducedVocabularyMixin:
         return loss_mask, soft, in_vocab, hard
 
     def reduced_vocab_ids(self) -> torch.LongTensor | None:
-        """The ``vocab_ids`` argument of a :class:`~hf_specdec.generation.proposals.TokenSelector` (``None`` for the
+        """The ``vocab_ids`` argument of a :class:`~hf_specdec.types.TokenSelector` (``None`` for the
         full vocabulary)."""
         return self.draft_token_ids if self.reduced_vocabulary else None

@@ -23,8 +23,8 @@ from transformers import (
 )
 
 from .configuration_utils import DrafterConfig
-from .generation.proposals import DraftInputs, Proposal
 from .modeling_utils import DrafterPreTrainedModel
+from .types import DraftInputs, Proposal
 
 __all__ = [
     "OracleDrafterConfig",

@@ -230,9 +230,12 @@ def _load_source(source: str) -> list[PromptItem]:
         raise FileNotFoundError(
             f"prompt source {source!r} is neither a known shortcut nor an existing file; {_ACCEPTED_FORMS}."
         )
-    if path.lower().endswith(".txt"):
-        return _read_txt(path)
-    return _read_jsonl(path)
+    items = _read_txt(path) if path.lower().endswith(".txt") else _read_jsonl(path)
+    if not items:
+        raise ValueError(
+            f"prompt file {path} holds no prompts: give one JSON object (or, in a .txt, one prompt) per line."
+        )
+    return items
 
 
 def _read_humaneval() -> list[PromptItem]:

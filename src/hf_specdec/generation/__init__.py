@@ -1,10 +1,9 @@
 """The decoding loop, its data types and the ``generate`` hook."""
 
+from ..types import DraftInputs, Proposal, SpeculativeDecoderOnlyOutput, TokenSelector, VerificationFeedback
 from .hook import install_generate_hook, is_generate_hook_installed, uninstall_generate_hook
 from .logits import register_stateless_logits_processor
 from .loop import speculative_generate
-from .outputs import SpeculativeDecoderOnlyOutput
-from .proposals import DraftInputs, Proposal, TokenSelector, VerificationFeedback
 
 __all__ = [
     "speculative_generate",

@@ -22,6 +22,11 @@ import inspect
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
+from ..modeling_utils import DrafterPreTrainedModel
+from ..tree.policies import TREE_OPTIONS
+from ..verification import VERIFIERS, verifier_option_owner
+from .loop import speculative_generate
+
 __all__ = ["install_generate_hook", "uninstall_generate_hook", "is_generate_hook_installed"]
 
 _ORIGINAL = None
@@ -30,8 +35,6 @@ _SPEC_OPTIONS = ("verifier", "verifier_options")
 
 def as_drafter(obj):
     """``obj`` if it is an hf_specdec drafter, the drafter inside a PEFT wrapper (LoRA-adapted drafter), else None."""
-    from ..modeling_utils import DrafterPreTrainedModel
-
     if isinstance(obj, DrafterPreTrainedModel):
         return obj
     get_base = getattr(obj, "get_base_model", None)
@@ -43,8 +46,6 @@ def as_drafter(obj):
 
 
 def _route(self, original, bound: inspect.BoundArguments):
-    from .loop import speculative_generate
-
     args = dict(bound.arguments)
     kwargs = args.pop("kwargs", {}) or {}
     assistant = args.get("assistant_model")
@@ -86,9 +87,6 @@ def _move_verifier_options(kwargs: dict, drafter) -> None:
     """Routes option keywords to their owners: a verifier's declared options (e.g. ``asd_budget``) into
     ``verifier_options`` (only with that verifier), tree options and the drafter family's own options into
     ``draft_options``. Nothing here names a verifier or a family: each declares its options."""
-    from ..tree.policies import TREE_OPTIONS
-    from ..verification import VERIFIERS, verifier_option_owner
-
     verifier = kwargs.get("verifier")
     options = dict(kwargs.get("verifier_options") or {})
     draft = dict(kwargs.get("draft_options") or {})

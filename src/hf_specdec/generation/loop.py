@@ -33,14 +33,14 @@ from transformers import DynamicCache
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from ..layers import compaction_index
+from ..modeling_utils import DrafterPreTrainedModel
 from ..tree.policies import TREE_OPTIONS, make_tree_policy
 from ..tree.structure import tree_structure, validate_parents
-from ..verification import get_verifier
+from ..types import DraftInputs, Proposal, SpeculativeDecoderOnlyOutput, VerificationFeedback
+from ..verification import VERIFIERS, get_verifier
 from .adaptive import DRAFT_LENGTH_MODES, controller_for
 from .logits import ScoreProcessor
 from .ngram import lookup_proposal, merge_lookup
-from .outputs import SpeculativeDecoderOnlyOutput
-from .proposals import DraftInputs, Proposal, VerificationFeedback
 
 __all__ = ["speculative_generate", "TargetPasses", "Committer", "LoopStats"]
 
@@ -103,8 +103,6 @@ def synchronize(device: torch.device) -> None:
 
 
 def _validate(model, drafter, generation_config, input_ids, model_kwargs) -> None:
-    from ..modeling_utils import DrafterPreTrainedModel  # deferred: modeling_utils imports this package
-
     if not isinstance(drafter, DrafterPreTrainedModel):
         raise TypeError(
             "speculative_generate needs `drafter=` (or `assistant_model=`) to be an hf_specdec drafter "
@@ -173,8 +171,6 @@ def _split_stopping_criteria(stopping_criteria: StoppingCriteriaList | None):
 def _resolve_options(generation_config, verifier, verifier_options, draft_options, drafter):
     """Verifier, verifier options and draft options from the call, falling back to frozen ``GenerationConfig``
     attributes (e.g. ``generation_config.verifier = "asd"``, ``.asd_budget = 8``, ``.tree = "eagle2"``)."""
-    from ..verification import VERIFIERS
-
     verifier_options = dict(verifier_options or {})
     draft_options = dict(draft_options or {})
     if verifier is None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .proposals import Proposal
+from ..types import Proposal
 
 __all__ = ["AGREE", "NGRAM_SIZES", "lookup_continuations", "lookup_proposal", "merge_lookup"]
 

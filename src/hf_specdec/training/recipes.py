@@ -14,6 +14,7 @@ __all__ = ["load_target", "make_drafter", "build_datasets", "train_drafter", "ad
 
 def load_target(path: str, dtype: str = "auto", device_map: str | None = None, trust_remote_code: bool = False):
     """Loads a target causal LM and its tokenizer (local folder or Hub id)."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
@@ -21,9 +22,18 @@ def load_target(path: str, dtype: str = "auto", device_map: str | None = None, t
         kwargs["dtype"] = getattr(torch, dtype)
     if device_map:
         kwargs["device_map"] = device_map
-    target = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    try:
+        target = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    except StrictDataclassError as err:  # a config.json field of the wrong type or value
+        raise ValueError(
+            f"The target config in {path} is not valid: {_one_line(err)}. Fix or replace its config.json."
+        ) from None
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return target, tokenizer
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())
 
 
 def make_drafter(target, drafter: Any = None, **config_overrides):
@@ -48,6 +58,7 @@ def make_drafter(target, drafter: Any = None, **config_overrides):
         config = config_class.for_target(target.config, **config_overrides)
         model = AutoModelForDrafting.from_config(config)
     elif isinstance(drafter, (str, os.PathLike)):
+        _refuse_an_unknown_family_name(str(drafter), sorted(DRAFTERS))
         if config_overrides:
             raise ValueError("Architecture overrides only apply to a fresh drafter (a family name), not to a path.")
         model = AutoModelForDrafting.from_pretrained(drafter)
@@ -57,6 +68,21 @@ def make_drafter(target, drafter: Any = None, **config_overrides):
     return model
 
 
+def _refuse_an_unknown_family_name(drafter: str, families: list[str]) -> None:
+    """A bare word that is neither a family nor a folder here is a mistyped family name: said at once, with the
+    nearest names, instead of after the Hub's retries (a drafter on the Hub is named ``namespace/name``)."""
+    import difflib
+
+    if "/" in drafter or os.sep in drafter or os.path.exists(drafter):
+        return
+    near = difflib.get_close_matches(drafter.lower(), families, n=3, cutoff=0.5)
+    hint = f" Did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
+    raise ValueError(
+        f"{drafter!r} is not a drafter family and no folder {drafter!r} exists here.{hint} Families: "
+        f"{', '.join(families)}; or give a drafter folder, or a Hub id as 'namespace/name'."
+    )
+
+
 def build_datasets(
     data: str | list, tokenizer, max_length: int = 2048, eval_fraction: float = 0.05, seed: int = 0
 ) -> tuple[Any, Any, dict]:
@@ -64,6 +90,10 @@ def build_datasets(
     from .data import DrafterDataset, load_records, split_train_eval
 
     records = load_records(data) if isinstance(data, (str, os.PathLike)) else list(data)
+    if not records:
+        raise ValueError(
+            f"{data!s} holds no training records: give one JSON object per line (see `hf-specdec train -h`)."
+        )
     dataset = DrafterDataset.from_records(records, tokenizer, max_length=max_length)
     if len(dataset) == 0:
         raise ValueError(f"No usable training examples in {data!s} (all had no loss tokens).")

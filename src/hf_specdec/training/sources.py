@@ -231,4 +231,6 @@ def load_prompt_source(
         rows, lines = _load_dataset(source, path if os.path.isdir(path) else source, split=split, **hub_kwargs), []
         where = (f"{source} ({split}) row {i}" for i in itertools.count())
     records = [normalize_record(row, loc) for row, loc in zip(itertools.islice(rows, limit), where)]
+    if not records:
+        raise ValueError(f"{source} holds no rows ({split} split): give at least one prompt, one JSON object per line.")
     return RecordList(records, path=source, lines=lines[: len(records)]) if lines else records

@@ -15,10 +15,13 @@ accuracy, the walked simulated τ) are derived from the sums at the end.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
 import random
+import re
 import resource
 import shutil
 import time
@@ -264,11 +267,42 @@ def find_latest_checkpoint(output_dir: str) -> str | None:
 
 def _atomic_write_text(path: str, text: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+_DISK_FULL = re.compile(r"No space left|StorageFull|os error 28|code: 28|file write failed|Disk quota", re.IGNORECASE)
+
+
+@contextlib.contextmanager
+def _saving(output_dir: str, what: str, tmp: str | None):
+    """Writes inside the block go to ``tmp`` (a folder, or ``None`` when the block cleans up itself); if they fail,
+    ``tmp`` is removed, and a full disk (``OSError`` ENOSPC, safetensors' ``SafetensorError`` or torch's
+    ``file write failed``, each phrased its own way) is said as such, naming what was being saved."""
+    try:
+        yield
+    except Exception as err:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        full = (isinstance(err, OSError) and err.errno == errno.ENOSPC) or _DISK_FULL.search(str(err))
+        if not full:
+            raise
+        kept = find_latest_checkpoint(output_dir)
+        intact = (
+            f"the previous checkpoint {os.path.basename(kept)!r} is intact" if kept else "no checkpoint was saved yet"
+        )
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on the device while saving {what} in {output_dir} ({type(err).__name__}); {intact} and "
+            "the partial files were removed. Free some space, then rerun with --resume.",
+        ) from err
 
 
 def _rng_state() -> dict:
@@ -662,7 +696,8 @@ class DrafterTrainer:
             }
 
     def save_checkpoint(self) -> str:
-        """Writes ``checkpoint-{step}`` atomically (temp folder, then rename) and updates the latest pointer."""
+        """Writes ``checkpoint-{step}`` atomically (temp folder, then rename) and updates the latest pointer. A write
+        that fails (a full disk, most often) removes its temporaries and leaves the previous checkpoint in place."""
         acc = self.accelerator
         acc.wait_for_everyone()
         name = f"{CHECKPOINT_PREFIX}{self.step}"
@@ -670,42 +705,52 @@ class DrafterTrainer:
         if acc.is_main_process:
             os.makedirs(self.args.output_dir, exist_ok=True)
             tmp = os.path.join(self.args.output_dir, f".{name}.tmp-{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-            self._declare_adapter()
-            self.unwrapped_drafter.save_pretrained(tmp)
-            if self.trains_adapter:
-                self.target.save_pretrained(os.path.join(tmp, ADAPTER_DIR))
-            torch.save(self.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-            torch.save(self.scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-            torch.save(_rng_state(), os.path.join(tmp, "rng_state.pt"))
-            state = {
-                "step": self.step,
-                "total_steps": self.total_steps,
-                "sampler": self.sampler.state_dict(),
-                "history": self.history,
-                "eval_history": self.eval_history,
-                "args": asdict(self.args),
-            }
-            with open(os.path.join(tmp, "trainer_state.json"), "w") as fh:
-                json.dump(state, fh, indent=1)
-            # Saving a step again: the old folder is renamed aside first and deleted only once the new one is in
-            # place, so a complete copy of the step exists at every moment (resume falls back to it after a crash).
-            aside = None
-            if os.path.exists(final):
-                aside = os.path.join(self.args.output_dir, f".{name}{_ASIDE_TAG}{os.getpid()}")
-                shutil.rmtree(aside, ignore_errors=True)
-                os.replace(final, aside)
-            os.replace(tmp, final)
-            _atomic_write_text(os.path.join(self.args.output_dir, LATEST_FILE), name)
-            if aside is not None:
-                shutil.rmtree(aside, ignore_errors=True)
-            for stale in os.listdir(self.args.output_dir):  # copies left aside by earlier, interrupted re-saves
-                if stale.startswith("." + CHECKPOINT_PREFIX) and _ASIDE_TAG in stale:
-                    shutil.rmtree(os.path.join(self.args.output_dir, stale), ignore_errors=True)
+            with _saving(self.args.output_dir, name, tmp):
+                self._write_checkpoint_files(tmp)
+            self._put_in_place(tmp, final, name)
             self._rotate_checkpoints()
         acc.wait_for_everyone()
         return final
+
+    def _write_checkpoint_files(self, folder: str) -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+        self._declare_adapter()
+        self.unwrapped_drafter.save_pretrained(folder)
+        if self.trains_adapter:
+            self.target.save_pretrained(os.path.join(folder, ADAPTER_DIR))
+        torch.save(self.optimizer.state_dict(), os.path.join(folder, "optimizer.pt"))
+        torch.save(self.scheduler.state_dict(), os.path.join(folder, "scheduler.pt"))
+        torch.save(_rng_state(), os.path.join(folder, "rng_state.pt"))
+        state = {
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "sampler": self.sampler.state_dict(),
+            "history": self.history,
+            "eval_history": self.eval_history,
+            "args": asdict(self.args),
+        }
+        with open(os.path.join(folder, "trainer_state.json"), "w") as fh:
+            json.dump(state, fh, indent=1)
+
+    def _put_in_place(self, tmp: str, final: str, name: str) -> None:
+        """Renames the written ``tmp`` to ``final``. Saving a step again: the old folder is renamed aside first and
+        deleted only once the new one is in place, so a complete copy of the step exists at every moment (resume
+        falls back to it after a crash)."""
+        out = self.args.output_dir
+        aside = None
+        if os.path.exists(final):
+            aside = os.path.join(out, f".{name}{_ASIDE_TAG}{os.getpid()}")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
+        os.replace(tmp, final)
+        with _saving(out, LATEST_FILE, None):
+            _atomic_write_text(os.path.join(out, LATEST_FILE), name)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+        for stale in os.listdir(out):  # copies left aside by earlier, interrupted re-saves
+            if stale.startswith("." + CHECKPOINT_PREFIX) and _ASIDE_TAG in stale:
+                shutil.rmtree(os.path.join(out, stale), ignore_errors=True)
 
     def _rotate_checkpoints(self) -> None:
         limit = self.args.save_total_limit
@@ -954,9 +999,10 @@ class DrafterTrainer:
         if acc.is_main_process:
             drafter = self.unwrapped_drafter
             self._declare_adapter()
-            drafter.save_pretrained(args.output_dir)
-            if self.trains_adapter:
-                self.target.save_pretrained(os.path.join(args.output_dir, ADAPTER_DIR))
+            with _saving(args.output_dir, "the trained drafter", None):
+                drafter.save_pretrained(args.output_dir)
+                if self.trains_adapter:
+                    self.target.save_pretrained(os.path.join(args.output_dir, ADAPTER_DIR))
             peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             cfg = drafter.config
             from .. import __version__

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..generation.proposals import Proposal
+from ..types import Proposal
 
 __all__ = [
     "TreeExpansion",

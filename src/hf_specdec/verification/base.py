@@ -1,6 +1,6 @@
 """The verifier protocol and its registry.
 
-A verifier receives the drafter's :class:`~hf_specdec.generation.proposals.Proposal` and the target's processed
+A verifier receives the drafter's :class:`~hf_specdec.types.Proposal` and the target's processed
 scores for every proposal node plus one (the bonus position), and decides, per row, how many draft tokens to keep
 and which token follows them. The loop is generic over verifiers: greedy, lossless speculative sampling, and
 approximate verifiers (e.g. ASD) all plug in here.
@@ -8,12 +8,11 @@ approximate verifiers (e.g. ASD) all plug in here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from ..generation.proposals import Proposal
+from ..types import Proposal, VerificationResult
 
 __all__ = [
     "Verifier",
@@ -23,29 +22,6 @@ __all__ = [
     "VERIFIERS",
     "verifier_option_owner",
 ]
-
-
-@dataclass
-class VerificationResult:
-    """Outcome of verifying one proposal for a batch.
-
-    Attributes:
-        num_accepted: ``(batch,)`` number of draft tokens kept (the bonus token is not counted here).
-        tokens: ``(batch, n + 1)`` for each row, its ``num_accepted`` kept tokens followed by the bonus token at index
-            ``num_accepted``; entries after that are unspecified.
-        path: ``(batch, n)`` for tree proposals, the node indices of the kept path (``None`` for chains/blocks,
-            where the kept nodes are ``0..num_accepted-1``).
-        stats: verifier-specific per-row statistics of the pass.
-        token_stats: verifier-specific statistics per accepted position, ``(batch, L)``, position ``j`` describing
-            ``tokens[:, j]`` (e.g. ASD's regret spent on it). The loop sums them over the tokens it actually commits,
-            so tokens cut by EOS or the length limit are never counted.
-    """
-
-    num_accepted: torch.LongTensor
-    tokens: torch.LongTensor
-    path: torch.LongTensor | None = None
-    stats: dict[str, torch.Tensor] = field(default_factory=dict)
-    token_stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Verifier:

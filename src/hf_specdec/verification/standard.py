@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..generation.proposals import Proposal
 from ..tree.structure import children_table, path_nodes, tree_structure
+from ..types import Proposal
 from .base import VerificationResult, Verifier, register_verifier
 
 __all__ = [

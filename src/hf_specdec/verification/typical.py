@@ -20,8 +20,8 @@ from typing import ClassVar
 
 import torch
 
-from ..generation.proposals import Proposal
 from ..tree.structure import tree_structure
+from ..types import Proposal
 from .base import VerificationResult, Verifier, register_verifier
 from .standard import accepted_prefix_length, best_tree_path, tree_path_result
 

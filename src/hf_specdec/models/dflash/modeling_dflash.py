@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...features import walk_metrics, walk_passes
-from ...generation.proposals import DraftInputs, Proposal, TokenSelector
 from ...layers import GatedMLP, RMSNorm, RotaryEmbedding, SlotKVCache, apply_rotary, compaction_index
 from ...modeling_utils import DrafterPreTrainedModel, DraftLossOutput, ReducedVocabularyMixin
+from ...types import DraftInputs, Proposal, TokenSelector
 from .configuration_dflash import DFlashConfig
 
 __all__ = ["DFlashForDrafting", "DFlashAttention", "DFlashDecoderLayer", "DFlashDraftState"]

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...generation.proposals import Proposal, TokenSelector
 from ...layers import SlotKVCache
+from ...types import Proposal, TokenSelector
 from .configuration_dspark import DSparkConfig
 from .modeling_dflash import DFlashDraftState, DFlashForDrafting
 

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from ...configuration_utils import decoder_layer_defaults, get_text_config
-from ...generation.proposals import DraftInputs, Proposal, TokenSelector
 from ...heads import last_verified
 from ...layers import ACT2FN_SIMPLE, DraftDecoderLayer, RMSNorm, RotaryEmbedding, SlotKVCache
 from ...modeling_utils import DrafterPreTrainedModel, ReducedVocabularyMixin, depthwise_distillation_loss
+from ...types import DraftInputs, Proposal, TokenSelector
 from .configuration_hydra import HydraConfig
 
 __all__ = ["HydraForDrafting", "HydraHead", "HydraPrefixLayer", "HydraDraftState"]

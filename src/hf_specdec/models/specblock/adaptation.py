@@ -26,7 +26,7 @@ import time
 import torch
 
 from ...features import SoftLabels
-from ...generation.proposals import DraftInputs
+from ...types import DraftInputs
 
 __all__ = ["ServingAdapter", "ACTIONS"]
 

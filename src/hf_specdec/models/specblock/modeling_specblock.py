@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from ...features import walk_metrics, walk_passes
-from ...generation.proposals import DraftInputs, Proposal, TokenSelector
 from ...layers import DraftAttention, GatedMLP, RMSNorm, RotaryEmbedding, SlotKVCache, compaction_index
 from ...modeling_utils import DrafterPreTrainedModel, DraftLossOutput, ReducedVocabularyMixin
+from ...types import DraftInputs, Proposal, TokenSelector
 from .configuration_specblock import SpecBlockConfig
 
 __all__ = ["SpecBlockForDrafting", "SpecBlockDraftState", "rank_features", "rank_bucket"]

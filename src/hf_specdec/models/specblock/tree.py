@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ...generation.proposals import Proposal
 from ...tree.policies import TreePolicy
+from ...types import Proposal
 
 __all__ = ["RankTree"]
 

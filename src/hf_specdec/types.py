@@ -1,4 +1,7 @@
-"""Data passed between the decoding loop, drafters and verifiers."""
+"""The data passed between the decoding loop, drafters and verifiers, and what ``generate`` returns.
+
+Below everything: this module imports nothing from hf_specdec, so drafters, trees and verifiers can name these types
+without loading the loop."""
 
 from __future__ import annotations
 
@@ -6,8 +9,16 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-__all__ = ["Proposal", "TokenSelector", "DraftInputs", "VerificationFeedback"]
+__all__ = [
+    "Proposal",
+    "TokenSelector",
+    "DraftInputs",
+    "VerificationFeedback",
+    "VerificationResult",
+    "SpeculativeDecoderOnlyOutput",
+]
 
 PROPOSAL_KINDS = ("chain", "tree", "block")
 
@@ -158,3 +169,69 @@ class TokenSelector(Protocol):
             (``None`` when decoding greedily).
         """
         ...
+
+
+@dataclass
+class VerificationResult:
+    """Outcome of verifying one proposal for a batch.
+
+    Attributes:
+        num_accepted: ``(batch,)`` number of draft tokens kept (the bonus token is not counted here).
+        tokens: ``(batch, n + 1)`` for each row, its ``num_accepted`` kept tokens followed by the bonus token at index
+            ``num_accepted``; entries after that are unspecified.
+        path: ``(batch, n)`` for tree proposals, the node indices of the kept path (``None`` for chains/blocks,
+            where the kept nodes are ``0..num_accepted-1``).
+        stats: verifier-specific per-row statistics of the pass.
+        token_stats: verifier-specific statistics per accepted position, ``(batch, L)``, position ``j`` describing
+            ``tokens[:, j]`` (e.g. ASD's regret spent on it). The loop sums them over the tokens it actually commits,
+            so tokens cut by EOS or the length limit are never counted.
+    """
+
+    num_accepted: torch.LongTensor
+    tokens: torch.LongTensor
+    path: torch.LongTensor | None = None
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    token_stats: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
+    """:class:`~transformers.generation.GenerateDecoderOnlyOutput` plus speculative-decoding statistics.
+
+    Attributes (in addition to ``sequences``, ``scores``, ``logits``, ``cache``):
+        accepted_lengths: per row, the number of tokens committed by each verification pass while the row was
+            unfinished, *counting the bonus token* (so every entry is in ``1..num_draft_tokens + 1``; the token
+            produced by the prefill pass is not included). Entries are cut by EOS / the length limit.
+        draft_lengths: per row, the number of draft tokens proposed for each of those passes (aligned with
+            ``accepted_lengths``; smaller than ``num_draft_tokens`` near the length limit or when the drafter stops
+            early; for trees, the number of tree nodes).
+        timings: wall-clock seconds of the whole call, split into ``prefill_s`` (first target pass), ``target_s``
+            (verification passes), ``draft_s`` (drafter: observing verified tokens and proposing) and ``verify_s``
+            (acceptance rule and bookkeeping); ``draft_steps`` (sequential draft positions: chain tokens proposed, or
+            the depth of each tree) and ``passes`` (verification passes), counted once per batch. Exact on CPU; pass ``spec_timing=True`` for exact figures on CUDA.
+        num_target_forwards: ``(batch,)`` target forward passes each row took part in before finishing, the
+            prefill included.
+        num_draft_tokens: the draft length ``K`` used.
+        verifier: name of the verifier; ``approximate`` is ``True`` for verifiers that may deviate from the
+            target's own decoding.
+        verifier_stats: per-row statistics of the verifier (e.g. ASD's regret spent), if any.
+
+    ``mean_accepted_length`` (τ) is the mean of ``accepted_lengths`` over all iterations of all rows.
+    """
+
+    accepted_lengths: list[list[int]] | None = None
+    draft_lengths: list[list[int]] | None = None
+    timings: dict | None = None
+    num_target_forwards: torch.LongTensor | None = None
+    num_draft_tokens: int | None = None
+    verifier: str | None = None
+    approximate: bool | None = None
+    verifier_stats: dict | None = None
+
+    @property
+    def mean_accepted_length(self) -> float:
+        lengths = [x for row in (self.accepted_lengths or []) for x in row]
+        return float(sum(lengths) / len(lengths)) if lengths else float("nan")
+
+    def row_mean_accepted_length(self) -> list[float]:
+        return [float(sum(r) / len(r)) if r else float("nan") for r in (self.accepted_lengths or [])]
