@@ -208,7 +208,7 @@ class ResidualIsTargetVerifier(SpeculativeSamplingVerifier):
             last = torch.where(n > 0, path[rows, (n - 1).clamp_min(0)], torch.full_like(n, -1))
         parents = proposal.batched_parents().to(dev)
         offered = ((parents == last[:, None]) & proposal.node_valid().to(dev)).any(1)  # it had draft children
-        redraw = torch.multinomial(torch.softmax(scores[rows, last + 1], dim=-1), 1, generator=self.generator)
+        redraw = torch.multinomial(torch.softmax(scores[rows, last + 1], dim=-1), 1)
         tokens = result.tokens.clone()
         tokens[rows, n] = torch.where(offered, redraw.squeeze(-1).to(tokens.device), tokens[rows, n])
         return dataclasses.replace(result, tokens=tokens)

@@ -315,3 +315,41 @@ def test_lookup_passes_keep_sampling_lossless(monkeypatch):
     assert not fails_check(pvalues), f"the output law differs from the target's: {describe(pvalues)}"
     _, bad = sample(target, drafter, verifier=ResidualIsTargetVerifier(), prompt=prompt, **opts)
     assert fails_check(law_pvalues(bad, laws)), "the check cannot tell a wrong residual apart"
+
+
+class _DraftEveryFifthPass(DraftLengthController):
+    """Plain steps, with a 2-token draft every fifth pass."""
+
+    passes = 0
+
+    def choose(self, limit, pending_slots=0):
+        type(self).passes += 1
+        return min(2, limit) if self.passes % 5 == 0 else 0
+
+
+def test_the_draft_cost_counts_drafting_passes_not_the_prompt_or_catch_ups(monkeypatch):
+    """The drafter's pass over the prompt is slow here (0.3 s); drafting is not. The cost per draft token
+    (``drafting_s`` over ``draft_steps``, what the benchmark's c divides) leaves the prompt pass out; ``draft_s``,
+    all the drafter's time, keeps it."""
+    import time
+
+    monkeypatch.setattr(adaptive, "DraftLengthController", _DraftEveryFifthPass)
+    target = make_target("llama")
+    torch.manual_seed(0)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=2)).eval()
+    observe = drafter.observe
+
+    def slow_on_the_prompt(state, inputs):
+        if inputs.next_token_ids.shape[1] >= 8:
+            time.sleep(0.3)
+        return observe(state, inputs)
+
+    monkeypatch.setattr(drafter, "observe", slow_on_the_prompt)
+    ids = torch.randint(3, target.config.vocab_size, (1, 12))
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False, eos_token_id=None,
+                          return_dict_in_generate=True)  # fmt: skip
+    timings = out.timings
+    assert timings["draft_steps"] >= 6 and timings["plain_steps"] >= 15
+    assert timings["draft_s"] >= 0.3
+    assert timings["draft_s"] / timings["draft_steps"] >= 0.03  # what c was: the prompt pass over 10 tokens
+    assert timings["drafting_s"] / timings["draft_steps"] < 0.01, timings

@@ -53,7 +53,7 @@ def test_gate_cap_budget_and_margin():
 
 def test_rows_are_independent_and_ledger_persists():
     verifier = ASDVerifier(budget=1.0, gate=0.5, block_cap=2)
-    verifier.start(2, torch.device("cpu"), False, None)
+    verifier.start(2, torch.device("cpu"), False)
     draft = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4]])
     cheap = _scores([(1, None, 0), (7, 2, 0.6), (3, None, 0), (4, None, 0), (6, None, 0)])
     exact = _scores([(1, None, 0), (2, None, 0), (3, None, 0), (4, None, 0), (6, None, 0)])
@@ -66,7 +66,7 @@ def test_rows_are_independent_and_ledger_persists():
     assert second.num_accepted.tolist() == [1, 4]
     assert second.token_stats["gained"].sum(1).tolist() == [0, 3]
     # A new request resets the ledger.
-    verifier.start(2, torch.device("cpu"), False, None)
+    verifier.start(2, torch.device("cpu"), False)
     assert verifier.ledger.tolist() == [0.0, 0.0]
 
 
@@ -253,7 +253,7 @@ def test_gate_divides_by_the_remaining_length():
 
 def test_rejected_mismatches_cost_nothing_and_strict_margin_binds():
     verifier = ASDVerifier(budget=5.0, gate=0.1, block_cap=2)
-    verifier.start(1, torch.device("cpu"), False, None)
+    verifier.start(1, torch.device("cpu"), False)
     proposal = Proposal(tokens=torch.tensor([[7, 3, 3]]))
     result = verifier.verify(proposal, _scores_with([3, 3, 3, 3], {(0, 7): 2.0}))  # regret 3.0: gate refuses it
     assert result.num_accepted.tolist() == [0] and verifier.ledger.tolist() == [0.0]

@@ -86,7 +86,7 @@ def test_typical_acceptance_and_asd_on_trees():
     typical = TypicalAcceptanceVerifier().verify(proposal, scores)
     assert typical.path.tolist() == [[0, 2, 5]] and TypicalAcceptanceVerifier.approximate
     asd = ASDVerifier(budget=0.0)
-    asd.start(1, torch.device("cpu"), False, None)
+    asd.start(1, torch.device("cpu"), False)
     strict = asd.verify(proposal, scores)
     greedy = GreedyVerifier().verify(proposal, scores)
     assert strict.path.tolist() == greedy.path.tolist() and torch.equal(strict.tokens, greedy.tokens)
@@ -97,7 +97,7 @@ def test_typical_acceptance_and_asd_on_trees():
     strict = asd.verify(proposal, near)
     assert strict.num_accepted.item() == 1 and strict.path.tolist() == [[0]]
     relaxed = ASDVerifier(budget=8.0, gate=1.0, block_cap=2)
-    relaxed.start(1, torch.device("cpu"), False, None)
+    relaxed.start(1, torch.device("cpu"), False)
     res = relaxed.verify(proposal, near)
     assert res.num_accepted.item() == 2 and res.path.tolist() == [[1, 4]]
     assert res.tokens[0].tolist() == [4, 7, 0] and res.token_stats["exceptions"].sum().item() == 1
@@ -116,7 +116,7 @@ def _pass_logits(target, ids, mask, proposal):
         def target_hidden_state_ids(self):
             return []
 
-    passes = TargetPasses(target, _NoFeatures(), mask, pos, True, cache, ids.device, proposal.num_nodes)
+    passes = TargetPasses(target, _NoFeatures(), mask, pos, True, cache, ids.device)
     passes.prefill(ids, pos, keep_all=False)
     logits, _ = passes.run(ids[:, -1] * 0 + 7, proposal)
     return logits, passes
@@ -151,7 +151,7 @@ def test_tree_pass_refuses_an_attention_backend_without_4d_masks():
     ids, mask = ragged_batch(1)
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
     drafter = _eagle3(target)
-    passes = TargetPasses(target, drafter, mask, pos, False, DynamicCache(config=target.config), ids.device, 2)
+    passes = TargetPasses(target, drafter, mask, pos, False, DynamicCache(config=target.config), ids.device)
     proposal = Proposal(tokens=torch.tensor([[3, 4]]), kind="tree", parents=torch.tensor([-1, -1]))
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
         passes.run(ids[:, -1], proposal)

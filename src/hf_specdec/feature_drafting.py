@@ -45,7 +45,6 @@ class FeatureDraftState:
 class FeatureAutoregressiveMixin:
     """Decoding of feature-level autoregressive drafters (see the module docstring)."""
 
-    proposal_kind = "chain"
     supports_tree_drafting = True
     draft_options = {"draft_confidence_threshold": None}
 

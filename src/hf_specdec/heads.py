@@ -35,7 +35,6 @@ class HeadsDraftState:
 class ParallelHeadsMixin:
     """Chain and tree proposals, the draft state and the training objective of parallel-head families."""
 
-    proposal_kind = "chain"
     requires_target_hidden_states = True
     supports_tree_drafting = True
     max_draft_depth_source = "num_heads"

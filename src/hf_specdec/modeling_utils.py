@@ -171,7 +171,6 @@ class DrafterPreTrainedModel(PreTrainedModel):
     Capabilities are class attributes that the decoding loop, the trainer and the tests read instead of branching on
     the family:
 
-    * ``proposal_kind``: ``"chain"``, ``"tree"`` or ``"block"``.
     * ``requires_target_hidden_states``: the loop asks the target for ``output_hidden_states``.
     * ``borrows_target_embeddings`` / ``borrows_target_lm_head``: which target modules the family uses.
     * ``loss_kwargs``: the keyword arguments :meth:`compute_loss` takes (the trainer refuses others; ramped ones come
@@ -192,7 +191,6 @@ class DrafterPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = False
     _supports_sdpa = True
 
-    proposal_kind: ClassVar[str] = "chain"
     requires_target_hidden_states: ClassVar[bool] = True
     borrows_target_embeddings: ClassVar[bool] = False
     borrows_target_lm_head: ClassVar[bool] = False

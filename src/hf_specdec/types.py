@@ -20,7 +20,7 @@ __all__ = [
     "SpeculativeDecoderOnlyOutput",
 ]
 
-PROPOSAL_KINDS = ("chain", "tree", "block")
+PROPOSAL_KINDS = ("chain", "tree")
 
 
 @dataclass
@@ -31,10 +31,10 @@ class Proposal:
         tokens: ``(batch, num_nodes)`` proposed target-vocabulary token ids.
         draft_probs: ``(batch, num_nodes, vocab)`` the distribution ``q`` each token was drawn from, in the target
             vocabulary after logits processing; ``None`` when the draft is deterministic (greedy decoding).
-        kind: ``"chain"`` (node ``i`` follows node ``i - 1``), ``"block"`` (a chain produced in one pass) or
-            ``"tree"`` (structure in ``parents``).
+        kind: ``"chain"`` (node ``i`` follows node ``i - 1``, however the drafter produced it: token by token or
+            a block in one pass) or ``"tree"`` (structure in ``parents``).
         parents: for trees, ``(num_nodes,)`` or ``(batch, num_nodes)`` index of each node's parent, ``-1`` for
-            children of the last committed token; parents come before their children. ``None`` for chains and blocks.
+            children of the last committed token; parents come before their children. ``None`` for chains.
         lengths: ``(batch,)`` number of real nodes per row (a drafter may propose fewer tokens than asked, per row,
             e.g. when it stops at low confidence); nodes at index ``>= lengths[b]`` are padding that no verifier
             accepts. ``None``: every node is real.
@@ -80,7 +80,7 @@ class Proposal:
 
     @property
     def is_linear(self) -> bool:
-        return self.kind in ("chain", "block")
+        return self.kind == "chain"
 
     def node_valid(self) -> torch.BoolTensor:
         """``(batch, num_nodes)`` True for real nodes (False for padding past ``lengths``)."""
@@ -91,7 +91,7 @@ class Proposal:
         return col < self.lengths[:, None]
 
     def batched_parents(self) -> torch.LongTensor:
-        """``(batch, num_nodes)`` parents (chains and blocks: each node's parent is the node before it)."""
+        """``(batch, num_nodes)`` parents (chains: each node's parent is the node before it)."""
         bsz, n = self.tokens.shape
         if self.parents is None:
             return (torch.arange(n, device=self.tokens.device) - 1)[None].expand(bsz, n)
@@ -135,7 +135,7 @@ class VerificationFeedback:
         proposal: the proposal this feedback belongs to (the object :meth:`propose` returned).
         num_accepted: ``(batch,)`` draft tokens kept per row (0 for rows that had finished).
         accepted_nodes: ``(batch, max_accepted)`` node indices of the kept path, in order, ``-1`` padded. For
-            chains and blocks this is ``0..num_accepted-1``.
+            chains this is ``0..num_accepted-1``.
         step: 0-based index of the decoding pass within this ``generate`` call.
     """
 
@@ -179,7 +179,7 @@ class VerificationResult:
         num_accepted: ``(batch,)`` number of draft tokens kept (the bonus token is not counted here).
         tokens: ``(batch, n + 1)`` for each row, its ``num_accepted`` kept tokens followed by the bonus token at index
             ``num_accepted``; entries after that are unspecified.
-        path: ``(batch, n)`` for tree proposals, the node indices of the kept path (``None`` for chains/blocks,
+        path: ``(batch, n)`` for tree proposals, the node indices of the kept path (``None`` for chains,
             where the kept nodes are ``0..num_accepted-1``).
         stats: verifier-specific per-row statistics of the pass.
         token_stats: verifier-specific statistics per accepted position, ``(batch, L)``, position ``j`` describing

@@ -53,14 +53,13 @@ class _DraftSelector:
     """Token selection for chain drafters: same logits processors and decoding mode as the verifier."""
 
     def __init__(
-        self, processor: ScoreProcessor, seq: torch.Tensor, lengths: torch.Tensor, do_sample: bool, gen, vocab_size
+        self, processor: ScoreProcessor, seq: torch.Tensor, lengths: torch.Tensor, do_sample: bool, vocab_size
     ):
         self.processor = processor
         self.vocab_size = vocab_size
         self.seq = seq
         self.lengths = lengths  # committed length (prompt + generated) per row
         self.do_sample = do_sample
-        self.generator = gen
 
     def __call__(self, logits: torch.Tensor, depth: int, vocab_ids: torch.LongTensor | None = None):
         logits = logits.to(self.seq.device, torch.float32)
@@ -79,7 +78,7 @@ class _DraftSelector:
             scores = self.processor(logits[:, None], self.seq, self.lengths + depth)[:, 0]
         if self.do_sample:
             probs = torch.softmax(scores, dim=-1)
-            tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+            tokens = torch.multinomial(probs, 1).squeeze(-1)
         else:
             probs, tokens = None, scores.argmax(dim=-1)
         if not self.processor.is_identity:
@@ -206,7 +205,7 @@ class TargetPasses:
         next_pos: ``(batch,)`` the position of the next token of each row.
     """
 
-    def __init__(self, model, drafter, attention_mask, position_ids, use_slot_mask, cache, in_device, max_width):
+    def __init__(self, model, drafter, attention_mask, position_ids, use_slot_mask, cache, in_device):
         self.model = model
         self.in_device = in_device
         self.cache = cache
@@ -220,9 +219,9 @@ class TargetPasses:
         self.drafter_name = type(drafter).__name__
         self.attn_impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
         self.compactions = 0
-        self._check_sliding_window(use_slot_mask, max_width)
+        self._check_sliding_window(use_slot_mask)
 
-    def _check_sliding_window(self, use_slot_mask, max_width) -> None:
+    def _check_sliding_window(self, use_slot_mask) -> None:
         self._sliding = False
         for layer in getattr(self.cache, "layers", []):
             if getattr(layer, "is_sliding", False):
@@ -230,7 +229,6 @@ class TargetPasses:
                 self._window = layer.sliding_window
                 layer.activate_past_recording()
         self._use_slot_mask = use_slot_mask
-        self._max_width = max_width
 
     def check_window(self, max_length: int, width: int, tree: bool) -> None:
         """Refuses layouts a sliding-window cache cannot hold (rejected slots or tree nodes would shift the window)."""
@@ -449,7 +447,9 @@ class LoopStats:
     def __init__(self, device: torch.device, sync: bool, bsz: int):
         self.device = device
         self.sync = sync
-        self.timings = {"draft_s": 0.0, "target_s": 0.0, "verify_s": 0.0}
+        # draft_s: all drafter time (its prefill over the prompt, catch-ups after plain steps, drafting passes);
+        # drafting_s: the passes that drafted only, without their catch-up: the cost per draft token.
+        self.timings = {"draft_s": 0.0, "drafting_s": 0.0, "target_s": 0.0, "verify_s": 0.0}
         self.accept_log: list[torch.Tensor] = []  # per pass: (batch,) tokens committed
         self.draft_log: list[torch.Tensor] = []  # per pass: (batch,) draft tokens proposed
         self.draft_steps = 0  # sequential draft positions, counted once per batch
@@ -641,8 +641,7 @@ def speculative_generate(
     work = drafter.device  # = device of the target's LM head
     in_device = input_ids.device
     input_ids = input_ids.to(work)
-    gen = None  # global RNG, like plain generate
-    ver.start(bsz, work, do_sample, gen)
+    ver.start(bsz, work, do_sample)  # sampling draws from the global RNG, as plain generate does
 
     processor = ScoreProcessor(logits_processor, bsz)
     eos_ids, other_criteria = _split_stopping_criteria(stopping_criteria)
@@ -665,7 +664,7 @@ def speculative_generate(
     if cache is None:
         cache = DynamicCache(config=model.config)
 
-    target = TargetPasses(model, drafter, attention_mask, position_ids, use_slot_mask, cache, in_device, width_max)
+    target = TargetPasses(model, drafter, attention_mask, position_ids, use_slot_mask, cache, in_device)
     target.check_window(max_length, width_max + 1, tree=policy is not None)
     ret_dict = generation_config.return_dict_in_generate
     want_scores = ret_dict and generation_config.output_scores
@@ -700,7 +699,7 @@ def speculative_generate(
     raw0 = logits[:, -1].to(device=work, dtype=torch.float32)
     scores0 = processor(raw0[:, None], seq, torch.full_like(out.n_gen, prompt_len))[:, 0]
     if do_sample:
-        first = torch.multinomial(torch.softmax(scores0, dim=-1), 1, generator=gen).squeeze(-1)
+        first = torch.multinomial(torch.softmax(scores0, dim=-1), 1).squeeze(-1)
     else:
         first = scores0.argmax(dim=-1)
     out.commit(first[:, None], torch.ones_like(out.n_gen), scores0[:, None], raw0[:, None])
@@ -721,7 +720,7 @@ def speculative_generate(
     del hidden, logits
     stats.add("draft_s", t0)
     vocab = raw0.shape[-1]
-    selector = _DraftSelector(processor, seq, out.lengths, do_sample, gen, vocab)
+    selector = _DraftSelector(processor, seq, out.lengths, do_sample, vocab)
 
     # ---------------------------------------------------------------- decoding steps
     step = 0
@@ -822,6 +821,8 @@ def speculative_generate(
         last_token = new_tokens[rows, n]
         del hidden, logits
         t4 = stats.add("draft_s", t3)
+        if k > 0:
+            stats.timings["drafting_s"] += (t1 - t0 - catchup_s) + (t4 - t3)
         if ctrl is not None:
             ctrl.update(k, drafted, committed, ~finished_before, t4 - t0, lookup_pass, catchup_s, catchup_slots)
         step += 1

@@ -211,13 +211,13 @@ class ASDVerifier(Verifier):
     def strict(self) -> bool:
         return self.budget == 0 or self.gate == 0 or self.block_cap == 0
 
-    def start(self, batch_size, device, do_sample, generator) -> None:
+    def start(self, batch_size, device, do_sample) -> None:
         if do_sample:
             raise ValueError(
                 "The 'asd' verifier is greedy-only (Approximate Speculative Decoding relaxes greedy verification); "
                 "use do_sample=False, or verifier='sampling' / the default for lossless sampling."
             )
-        super().start(batch_size, device, do_sample, generator)
+        super().start(batch_size, device, do_sample)
         self.ledger = torch.zeros(batch_size, dtype=torch.float32, device=device)
 
     def verify(self, proposal: Proposal, scores: torch.Tensor) -> VerificationResult:

@@ -47,7 +47,7 @@ class Verifier:
         if options:
             raise ValueError(f"Verifier {self.name!r} takes no options, got {sorted(options)}.")
 
-    def start(self, batch_size: int, device: torch.device, do_sample: bool, generator: torch.Generator | None) -> None:
+    def start(self, batch_size: int, device: torch.device, do_sample: bool) -> None:
         """Called once per ``generate`` call, before the first verification."""
         if do_sample and not self.supports_sampling:
             raise ValueError(
@@ -56,13 +56,12 @@ class Verifier:
             )
         if not do_sample and not self.supports_greedy:
             raise ValueError(f"The {self.name!r} verifier needs do_sample=True.")
-        self.generator = generator
 
     def verify(self, proposal: Proposal, scores: torch.Tensor) -> VerificationResult:
         """Verifies ``proposal`` given the target's processed ``scores``.
 
         Args:
-            proposal: the draft; for chains and blocks node ``i`` is the ``i``-th draft token.
+            proposal: the draft; for chains node ``i`` is the ``i``-th draft token.
             scores: ``(batch, num_nodes + 1, vocab)`` float32 processed target scores; ``scores[:, 0]`` is the
                 distribution after the last committed token, ``scores[:, i + 1]`` the one after node ``i``.
         """

@@ -1,6 +1,6 @@
 """Strict verifiers: greedy (token-identical to the target's greedy decoding) and lossless speculative sampling.
 
-Both verify chains and blocks (vectorised over the draft) and trees (vectorised over the batch, looping over the
+Both verify chains (vectorised over the draft) and trees (vectorised over the batch, looping over the
 tree depth and sibling count only), and honour variable-length proposals (``Proposal.lengths``).
 """
 
@@ -130,7 +130,6 @@ class SpeculativeSamplingVerifier(Verifier):
         bsz, n_nodes = proposal.tokens.shape
         draft = proposal.tokens.to(probs.device)
         rows = torch.arange(bsz, device=probs.device)
-        gen = getattr(self, "generator", None)
         lengths = (
             proposal.lengths.to(probs.device)
             if proposal.lengths is not None
@@ -144,7 +143,7 @@ class SpeculativeSamplingVerifier(Verifier):
             else:
                 q = None
                 q_x = torch.ones_like(p_x)
-            u = torch.rand(p_x.shape, device=probs.device, generator=gen)
+            u = torch.rand(p_x.shape, device=probs.device)
             # u < p/q  <=>  u * q < p (no division by a zero q; q_x > 0 for sampled tokens anyway)
             n = accepted_prefix_length((u * q_x < p_x) & proposal.node_valid().to(probs.device))
         else:
@@ -162,13 +161,12 @@ class SpeculativeSamplingVerifier(Verifier):
                 q_next = torch.zeros_like(p_next)
                 q_next[rows, draft[rows, idx]] = 1.0
             p_next = torch.where(rejected[:, None], _residual(p_next, q_next), p_next)
-        bonus = torch.multinomial(p_next, 1, generator=gen).squeeze(-1)
+        bonus = torch.multinomial(p_next, 1).squeeze(-1)
         tokens = torch.cat([draft, bonus[:, None]], dim=1)
         tokens[rows, n] = bonus
         return VerificationResult(num_accepted=n, tokens=tokens)
 
     def _verify_tree(self, proposal: Proposal, probs: torch.Tensor) -> VerificationResult:
-        gen = getattr(self, "generator", None)
         dev = probs.device
         bsz, n_nodes = proposal.tokens.shape
         rows = torch.arange(bsz, device=dev)
@@ -201,7 +199,7 @@ class SpeculativeSamplingVerifier(Verifier):
                     q = torch.zeros_like(r)
                     q[rows, x] = 1.0
                     q_x = torch.ones_like(r_x)
-                u = torch.rand(bsz, device=dev, generator=gen)
+                u = torch.rand(bsz, device=dev)
                 acc = trying & (u * q_x < r_x)
                 rej = trying & ~acc
                 r = torch.where(rej[:, None], _residual(r, q), r)
@@ -213,6 +211,6 @@ class SpeculativeSamplingVerifier(Verifier):
             alive &= moved
             if not bool(alive.any()):
                 break
-        bonus = torch.multinomial(r, 1, generator=gen).squeeze(-1)
+        bonus = torch.multinomial(r, 1).squeeze(-1)
         width = int(n.max()) if bsz else 0
         return tree_path_result(proposal, n, path[:, :width], bonus)

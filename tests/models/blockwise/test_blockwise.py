@@ -13,7 +13,6 @@ class TestBlockwise(DrafterTesterMixin):
     config_class = BlockwiseConfig
     model_class = BlockwiseForDrafting
     config_overrides = {"intermediate_size": 48}
-    proposal_kind = "chain"
     draft_lengths = (1, 3, 4)  # at most one token per head (4 heads)
     no_foreign_layout_reason = "no other project publishes Blockwise checkpoints"
 

@@ -16,7 +16,6 @@ class TestDFlash(DrafterTesterMixin):
     config_class = DFlashConfig
     model_class = DFlashForDrafting
     config_overrides = {"intermediate_size": 64, "block_size": 7}
-    proposal_kind = "block"
 
     def teacher_forced_draft_logits(self, drafter, input_ids, hidden_states, attention_mask, steps):
         feats = drafter.select_target_features(hidden_states)

@@ -14,7 +14,6 @@ class TestDSpark(DrafterTesterMixin):
     config_class = DSparkConfig
     model_class = DSparkForDrafting
     config_overrides = {"intermediate_size": 64, "block_size": 6, "markov_rank": 8}
-    proposal_kind = "block"
 
     def make_drafter(self, target, seed=0, **overrides):
         drafter = super().make_drafter(target, seed, **overrides)

@@ -18,7 +18,6 @@ class TestEagle1(DrafterTesterMixin):
     config_class = Eagle1Config
     model_class = Eagle1ForDrafting
     config_overrides = {"intermediate_size": 64}
-    proposal_kind = "chain"
 
     def teacher_forced_draft_logits(self, drafter, input_ids, hidden_states, attention_mask, steps):
         (feats,) = drafter.select_target_features(hidden_states)

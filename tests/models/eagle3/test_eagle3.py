@@ -12,7 +12,6 @@ class TestEagle3(DrafterTesterMixin):
     config_class = Eagle3Config
     model_class = Eagle3ForDrafting
     config_overrides = {"intermediate_size": 64}
-    proposal_kind = "chain"
 
     def teacher_forced_draft_logits(self, drafter, input_ids, hidden_states, attention_mask, steps):
         # Training-time test: step j at anchor t reads the teacher-forced token t + 1 + j.

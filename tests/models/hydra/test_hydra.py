@@ -12,7 +12,6 @@ class TestHydra(DrafterTesterMixin):
     config_class = HydraConfig
     model_class = HydraForDrafting
     config_overrides = {"num_heads": 5, "num_layers": 2}
-    proposal_kind = "chain"
     draft_lengths = (1, 3, 5)
 
     def teacher_forced_draft_logits(self, drafter, input_ids, hidden_states, attention_mask, steps):

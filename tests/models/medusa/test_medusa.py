@@ -18,7 +18,6 @@ class TestMedusa(DrafterTesterMixin):
     config_class = MedusaConfig
     model_class = MedusaForDrafting
     config_overrides = {}
-    proposal_kind = "chain"
     draft_lengths = (1, 3, 5)  # at most one token per head (5 heads)
 
     def teacher_forced_draft_logits(self, drafter, input_ids, hidden_states, attention_mask, steps):

@@ -14,7 +14,6 @@ class TestMedusa2(DrafterTesterMixin):
     config_class = Medusa2Config
     model_class = Medusa2ForDrafting
     config_overrides = {"lora_r": 2}
-    proposal_kind = "chain"
     draft_lengths = (1, 3, 5)
     no_foreign_layout_reason = "the Medusa layouts have no place for the target adapter (export the heads as Medusa-1)"
 

@@ -15,7 +15,6 @@ class TestSpecBlock(DrafterTesterMixin):
     config_class = SpecBlockConfig
     model_class = SpecBlockForDrafting
     config_overrides = {"intermediate_size": 64}
-    proposal_kind = "chain"
 
     def make_drafter(self, target, seed=0, **overrides):
         """An untrained drafter whose layer shifts are not the identity (so that a wrong shift shows)."""

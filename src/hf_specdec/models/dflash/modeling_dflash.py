@@ -96,7 +96,6 @@ class DFlashForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
     """
 
     config_class = DFlashConfig
-    proposal_kind = "block"
     requires_target_hidden_states = True
     borrows_target_embeddings = True
     borrows_target_lm_head = True
@@ -220,7 +219,7 @@ class DFlashForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
             probs.append(q)
             previous = tok
         draft_probs = torch.stack(probs, dim=1) if probs[0] is not None else None
-        return Proposal(tokens=torch.stack(tokens, dim=1), draft_probs=draft_probs, kind="block")
+        return Proposal(tokens=torch.stack(tokens, dim=1), draft_probs=draft_probs)
 
     def tree_start(self, state: DFlashDraftState):
         return self.slot_logits(state, 0, state.anchor), self.reduced_vocab_ids()

@@ -90,7 +90,6 @@ class HydraForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
     """
 
     config_class = HydraConfig
-    proposal_kind = "chain"
     requires_target_hidden_states = True
     borrows_target_embeddings = True
     supports_tree_drafting = True

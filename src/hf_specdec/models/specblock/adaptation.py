@@ -81,7 +81,7 @@ class ServingAdapter:
 
     @staticmethod
     def signal(inputs: DraftInputs) -> float:
-        """``sum over rows of (1 - q(y*))`` at the first rejected draft of the last proposal (chains and blocks)."""
+        """``sum over rows of (1 - q(y*))`` at the first rejected draft of the last proposal (chains)."""
         fb = inputs.feedback
         prop = fb.proposal
         if not prop.is_linear:

@@ -182,7 +182,6 @@ class SpecBlockForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
     """
 
     config_class = SpecBlockConfig
-    proposal_kind = "chain"
     requires_target_hidden_states = True
     borrows_target_embeddings = True
     supports_tree_drafting = True
