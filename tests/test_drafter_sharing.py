@@ -104,3 +104,28 @@ def test_adaptive_memory_is_kept_per_target():
     assert learned.passes > 0
     fresh = controller_for(drafter, second, 3, None, 1, False, cpu)
     assert fresh is not learned and fresh.passes == 0  # the second target does not inherit the first's costs
+
+
+def test_the_adaptive_memory_lives_outside_the_drafter_resets_and_goes_with_it():
+    import gc
+    import weakref
+
+    from hf_specdec.generation.adaptive import _MEMORIES, draft_length_memory
+
+    target = make_target("llama", seed=0)
+    drafter = _drafter(target)
+    ids, mask = ragged_batch(1)
+    before = dict(vars(drafter))
+    _generate(target, ids, mask, assistant_model=drafter)
+    # nothing of the adaptive length is stashed on the drafter (only the count of calls it is bound in)
+    assert set(vars(drafter)) - set(before) <= {"_generations"}
+    cpu = torch.device("cpu")
+    learned = controller_for(drafter, target, 3, None, 1, False, cpu)
+    assert learned.passes > 0
+    draft_length_memory(drafter).reset()
+    assert controller_for(drafter, target, 3, None, 1, False, cpu).passes == 0  # starts cold again
+    gone = weakref.ref(drafter)
+    count = len(_MEMORIES)
+    del drafter, learned
+    gc.collect()
+    assert gone() is None and len(_MEMORIES) == count - 1  # the memory went with its drafter

@@ -30,8 +30,9 @@ large batch on a compute-bound device.
   after ``probe_every`` passes; while probes do not change the best choice, the gap between them doubles (up to
   ``max_probe_gap`` passes), so a drafter that does not pay costs next to nothing, and it shrinks back to
   ``probe_every`` as soon as the best choice changes.
-* The estimates are kept per drafter, device, batch size, decoding mode and tree policy (on the drafter object),
-  so later ``generate`` calls start from what earlier ones learnt.
+* The estimates are kept per drafter, target, device, batch size, decoding mode and tree policy
+  (:class:`DraftLengthMemory`, outside the drafter object), so later ``generate`` calls start from what earlier
+  ones learnt.
 
 For tree policies the choice is between the tree and a plain step; the tree's tokens per pass are measured directly.
 
@@ -49,15 +50,15 @@ bit-reproducible run to run with the adaptive length; pass ``draft_length="fixed
 from __future__ import annotations
 
 import statistics
+import threading
 import weakref
 from collections import deque
 
 import torch
 
-__all__ = ["DRAFT_LENGTH_MODES", "DraftLengthController", "controller_for"]
+__all__ = ["DRAFT_LENGTH_MODES", "DraftLengthController", "DraftLengthMemory", "controller_for", "draft_length_memory"]
 
 DRAFT_LENGTH_MODES = ("adaptive", "fixed")
-_MEMORY_ATTR = "_hf_specdec_draft_length_memory"
 
 
 class DraftLengthController:
@@ -331,12 +332,45 @@ class DraftLengthController:
                         self.accepted[d] += 1.0
 
 
+class DraftLengthMemory:
+    """What the adaptive length has learnt for one drafter: a :class:`DraftLengthController` per target and setting
+    (device, batch size, decoding mode, tree policy, ``K_max``), so a later ``generate`` call starts from what earlier
+    ones measured instead of probing again.
+
+    It is held here, per drafter (never inside the drafter), and forgets a target when the target is freed.
+    Threads that share a drafter *and* a target share its controllers: each call's measurements feed them, which can
+    change how many tokens another call drafts, never what it generates. :meth:`reset` starts over (after the
+    machine's load changes for good, or to make a timing comparison start cold)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_target: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def controller(self, target, k_max: int, tree_key, bsz: int, do_sample: bool, device) -> DraftLengthController:
+        key = (str(device), int(bsz), bool(do_sample), tree_key, int(k_max))
+        with self._lock:
+            memory = self._by_target.setdefault(target, {})
+            if key not in memory:
+                memory[key] = DraftLengthController(k_max, tree=tree_key is not None)
+            return memory[key]
+
+    def reset(self) -> None:
+        with self._lock:
+            self._by_target.clear()
+
+
+_MEMORIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MEMORIES_LOCK = threading.Lock()
+
+
+def draft_length_memory(drafter) -> DraftLengthMemory:
+    """The drafter's :class:`DraftLengthMemory` (created on first use; forgotten with the drafter)."""
+    with _MEMORIES_LOCK:
+        if drafter not in _MEMORIES:
+            _MEMORIES[drafter] = DraftLengthMemory()
+        return _MEMORIES[drafter]
+
+
 def controller_for(drafter, target, k_max: int, tree_key, bsz: int, do_sample: bool, device) -> DraftLengthController:
-    """The drafter's controller for this target and setting (created on first use, then reused across ``generate``
-    calls with that target; forgotten with the target)."""
-    memory = drafter.__dict__.setdefault(_MEMORY_ATTR, weakref.WeakKeyDictionary()).setdefault(target, {})
-    key = (str(device), int(bsz), bool(do_sample), tree_key, int(k_max))
-    ctrl = memory.get(key)
-    if ctrl is None:
-        ctrl = memory[key] = DraftLengthController(k_max, tree=tree_key is not None)
-    return ctrl
+    """The drafter's controller for this target and setting (see :class:`DraftLengthMemory`)."""
+    return draft_length_memory(drafter).controller(target, k_max, tree_key, bsz, do_sample, device)
