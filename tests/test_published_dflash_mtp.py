@@ -373,3 +373,26 @@ def test_a_medusa_lm_head_pt_with_a_payload_is_refused(tmp_path, hub):
     _save_armed(load_file(str(folder / "medusa_lm_head.safetensors")), folder / "medusa_lm_head.pt", marker)
     (folder / "medusa_lm_head.safetensors").unlink()
     _refused_everywhere(hub, folder, "org/medusa-pt", marker)
+
+
+@pytest.mark.parametrize("command", ["convert", "push"])
+def test_the_cli_says_in_one_line_that_a_pickle_with_a_payload_was_not_loaded(tmp_path, command, capsys):
+    """No traceback quoting torch's advice to retry with weights_only=False: one line naming the file, saying it
+    was not read and that the way on is a safetensors copy."""
+    from hf_specdec.cli import main
+
+    marker = tmp_path / "payload-ran"
+    folder = _drafter_export(tmp_path, DFlashConfig, "dflash-zlab")
+    _save_armed(load_file(str(folder / "model.safetensors")), folder / "pytorch_model.bin", marker)
+    (folder / "model.safetensors").unlink()
+    capsys.readouterr()
+    if command == "convert":
+        argv = ["convert", str(folder), str(tmp_path / "out")]
+    else:
+        argv = ["push", str(folder), "org/x", "--base-model", "org/t", "--endpoint", "http://127.0.0.1:9"]
+    code = main(argv)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "%|" not in line]
+    assert code == 2 and len(err) == 1, err
+    assert str(folder / "pytorch_model.bin") in err[0] and "does not read it" in err[0]
+    assert "convert the checkpoint to safetensors" in err[0] and "Traceback" not in err[0]
+    assert not marker.exists() and not (tmp_path / "out").exists()
