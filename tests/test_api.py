@@ -7,7 +7,7 @@ from transformers import AutoConfig, AutoModel
 
 import hf_specdec
 from hf_specdec import AutoModelForDrafting, DrafterConfig, Eagle3Config, get_drafter_spec, register_drafter
-from hf_specdec.cli import main as cli_main
+from hf_specdec.commands import main as cli_main
 from hf_specdec.testing import OracleDrafter, OracleDrafterConfig
 
 

@@ -134,7 +134,7 @@ def test_benchmark_rejects_bad_input():
 
 
 def test_bench_and_demo_commands(tmp_path):
-    from hf_specdec.cli import main
+    from hf_specdec.commands import main
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
@@ -201,7 +201,7 @@ def test_asd_quality_audit_fields():
 
 
 def test_asd_commands(tmp_path):
-    from hf_specdec.cli import main
+    from hf_specdec.commands import main
 
     prompts = tmp_path / "p.txt"
     prompts.write_text("import os\\n\\n\\ndef main():\\n\nclass A:\\n    def f(self):\\n\nx = 1\ny = 2\n")
@@ -231,7 +231,7 @@ def test_asd_commands(tmp_path):
 
 def test_draft_option_rows(tmp_path, capsys):
     """``--draft-option KEY=VALUE`` adds chain rows with that option for drafters that declare it."""
-    from hf_specdec.cli import main
+    from hf_specdec.commands import main
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "import os\n\n\ndef main():\n", "category": "code"}) + "\n")

@@ -175,7 +175,7 @@ def test_asd_tune_refuses_candidates_that_lose_task_accuracy():
 
 
 def test_cli_task_and_prompts_are_exclusive(capsys):
-    from hf_specdec.cli import main
+    from hf_specdec.commands import main
 
     assert main(["bench", "--task", "arithmetic", "--prompts", "demo", "--no-peers"]) == 2
     err = capsys.readouterr().err

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hf_specdec.cli import main
+from hf_specdec.commands import main
 
 
 @pytest.mark.parametrize(
@@ -36,7 +36,7 @@ def test_user_mistakes_exit_2_with_one_line(argv, match, capsys):
 
 def test_the_console_script_prints_no_traceback(tmp_path):
     run = subprocess.run(
-        [sys.executable, "-m", "hf_specdec.cli", "bench", "--drafter", str(tmp_path / "missing"), "--no-peers"],
+        [sys.executable, "-m", "hf_specdec", "bench", "--drafter", str(tmp_path / "missing"), "--no-peers"],
         capture_output=True,
         text=True,
         timeout=300,

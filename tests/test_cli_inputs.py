@@ -8,7 +8,7 @@ import itertools
 import pytest
 from helpers import chat_workspace
 
-from hf_specdec.cli import main
+from hf_specdec.commands import main
 
 KINDS = ["missing", "empty", "not-utf8", "wrong-keys"]
 

@@ -13,7 +13,7 @@ import pytest
 from hf_specdec import demo
 from hf_specdec.bench import prompts
 from hf_specdec.bench.prompts import MT_BENCH_SUBCATEGORIES, SPEC_BENCH_CATEGORIES, load_prompts
-from hf_specdec.cli import main
+from hf_specdec.commands import main
 
 
 def _raw_rows():

@@ -6,7 +6,7 @@ then resumed. What they leave at the end equals what an uninterrupted run writes
 shards (every tensor), the same drafter weights, bit for bit.
 
 The uninterrupted reference runs are in-process; the killed runs are separate processes running the CLI's `main`,
-forked from a forkserver that has imported hf_specdec, torch and transformers once (a fresh `python -m hf_specdec.cli`
+forked from a forkserver that has imported hf_specdec, torch and transformers once (a fresh `python -m hf_specdec`
 spends ~4 s importing, which would take most kills and most of the time budget). All of them use one thread."""
 
 import json
@@ -22,7 +22,7 @@ from helpers import chat_workspace
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from hf_specdec.cli import main as cli
+from hf_specdec.commands import main as cli
 from hf_specdec.training.offline import INDEX_NAME
 from hf_specdec.training.trainer import find_latest_checkpoint
 
@@ -66,7 +66,7 @@ def resume_args(job, out):
     return []
 
 
-PRELOAD = ["torch", "transformers", "accelerate", "safetensors", "hf_specdec.cli", "hf_specdec.training.recipes",
+PRELOAD = ["torch", "transformers", "accelerate", "safetensors", "hf_specdec.commands", "hf_specdec.training.recipes",
            "hf_specdec.training.trainer", "hf_specdec.training.offline", "hf_specdec.training.regenerate",
            "transformers.models.llama.modeling_llama"]  # fmt: skip
 

@@ -87,7 +87,7 @@ def test_mis_shaped_weights_are_refused_with_their_shapes(saved, tmp_path):
 def test_a_broken_config_json_is_named_in_the_error(saved, tmp_path, text, match):
     import shutil
 
-    from hf_specdec.cli import main
+    from hf_specdec.commands import main
 
     folder = tmp_path / "broken"
     shutil.copytree(saved[1], folder)

@@ -18,7 +18,7 @@ from huggingface_hub import HfApi, constants
 from safetensors.torch import save_file
 
 from hf_specdec import AutoModelForDrafting, MtpConfig
-from hf_specdec.cli import main as cli
+from hf_specdec.commands import main as cli
 from hf_specdec.convert import LAYOUTS, detect_layout, export_drafter
 from hf_specdec.registry import DRAFTERS
 

@@ -87,7 +87,7 @@ def test_push_to_a_local_hub_and_load_back(tmp_path, hub):
 
 
 def test_push_command_revisions_and_card_checks(tmp_path, hub):
-    from hf_specdec.cli import main
+    from hf_specdec.commands import main
 
     target = make_target("llama")
     drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config))
@@ -203,7 +203,7 @@ def test_a_card_for_a_training_run_without_base_model_names_the_configs_target(t
 
 @pytest.mark.parametrize("repo_id", ["org/../x", "org/a--b", "../x", "a/b/c", "org/x."])
 def test_push_to_an_invalid_repo_id_says_it_is_one_not_a_missing_folder(tmp_path, hub, repo_id, capsys):
-    from hf_specdec.cli import main
+    from hf_specdec.commands import main
 
     target = make_target("llama")
     folder = tmp_path / "drafter"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import chat_tokenizer
 
-from hf_specdec.cli import main as cli
+from hf_specdec.commands import main as cli
 from hf_specdec.testing import tiny_target
 from hf_specdec.training.offline import (
     INDEX_NAME,

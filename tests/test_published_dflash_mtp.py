@@ -379,7 +379,7 @@ def test_a_medusa_lm_head_pt_with_a_payload_is_refused(tmp_path, hub):
 def test_the_cli_says_in_one_line_that_a_pickle_with_a_payload_was_not_loaded(tmp_path, command, capsys):
     """No traceback quoting torch's advice to retry with weights_only=False: one line naming the file, saying it
     was not read and that the way on is a safetensors copy."""
-    from hf_specdec.cli import main
+    from hf_specdec.commands import main
 
     marker = tmp_path / "payload-ran"
     folder = _drafter_export(tmp_path, DFlashConfig, "dflash-zlab")

@@ -8,7 +8,7 @@ Layers (a module may import its own layer and the ones below, never one above, n
                cards.py (model cards and push)
   3 families   models/<family>/ (a family never imports another family), testing.py (the replay drafter)
   4 consumers  generation/ (the loop, the hook), training/, bench/
-  5 top        cli.py, demo.py, selfcheck.py, the package's __init__.py
+  5 top        commands/ (the command line), demo.py, selfcheck.py, the package's __init__.py and __main__.py
 """
 
 import ast
@@ -53,7 +53,7 @@ LAYERS = {
     "chat_prompts": CONSUMERS,
     "gguf_target": CONSUMERS,
     "assistant": CONSUMERS,
-    "cli": TOP,
+    "commands": TOP,
     "demo": TOP,
     "selfcheck": TOP,
     "__init__": TOP,
@@ -256,12 +256,12 @@ def test_cycle_check_can_fail(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "source, module, bad",
     [
-        ("from .cli import main\n", "modeling_utils", True),  # core -> top
+        ("from .commands import main\n", "modeling_utils", True),  # core -> top
         ("def f():\n    from ...training.trainer import x\n", "models.fam.modeling_fam", True),  # in a function
-        ("import hf_specdec.cli\n", "registry", True),
+        ("import hf_specdec.commands\n", "registry", True),
         ("from ..other import y\n", "models.fam.modeling_fam", True),  # a family importing another family
         ("from ...layers import RMSNorm\n", "models.fam.modeling_fam", False),
-        ("from .registry import DRAFTERS\nfrom . import __version__\n", "cli", False),
+        ("from .registry import DRAFTERS\nfrom . import __version__\n", "commands", False),
     ],
 )
 def test_import_check_can_fail(tmp_path, monkeypatch, source, module, bad):
@@ -272,7 +272,7 @@ def test_import_check_can_fail(tmp_path, monkeypatch, source, module, bad):
     for name in ("models/fam", "models/other", "training"):
         (fake_src / name).mkdir(parents=True, exist_ok=True)
         (fake_src / name / "__init__.py").write_text("")
-    for name in ("__init__", "models/__init__", "cards", "cli", "registry", "layers", "modeling_utils"):
+    for name in ("__init__", "models/__init__", "cards", "commands", "registry", "layers", "modeling_utils"):
         (fake_src / f"{name}.py").write_text("")
     for name in ("models/fam/modeling_fam", "training/trainer"):
         (fake_src / f"{name}.py").write_text("")

@@ -11,7 +11,7 @@ from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
 from hf_specdec import AutoModelForDrafting, DFlashConfig, DSparkConfig, Eagle3Config
-from hf_specdec.cli import main as cli
+from hf_specdec.commands import main as cli
 from hf_specdec.convert import detect_layout, export_drafter, import_drafter
 
 # huggingface_hub's single-part LFS upload passes the file as `data=`, which httpx2 deprecates; not ours to fix.

@@ -8,7 +8,7 @@ import torch
 from helpers import chat_workspace
 
 from hf_specdec import AutoModelForDrafting, Eagle3Config
-from hf_specdec.cli import main as cli
+from hf_specdec.commands import main as cli
 from hf_specdec.training.data import DataCollator, DrafterDataset, load_records
 from hf_specdec.training.features import capture_target_features
 from hf_specdec.training.offline import OfflineFeatureDataset, collate_offline, dump_features
@@ -103,7 +103,7 @@ def test_multi_process_training_with_torchrun(workspace):
             fh.write("\n")
     out = root / "out_ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "hf_specdec.cli", "train",
+           "-m", "hf_specdec", "train",
            "--target", str(root / "target"), "--data", str(regen), "--output-dir", str(out), "--max-steps", "4",
            "--batch-size", "2", "--eval-fraction", "0.25", "--save-steps", "2", "--eval-steps", "2",
            "--report-to", "none", "--max-length", "64"]  # fmt: skip
@@ -147,7 +147,7 @@ def test_config_overrides_of_a_fresh_drafter_are_parsed_and_checked():
 
     from helpers import make_target
 
-    from hf_specdec.cli import _drafter_overrides
+    from hf_specdec.commands.common import drafter_overrides as _drafter_overrides
     from hf_specdec.registry import default_drafter_spec
     from hf_specdec.training.recipes import make_drafter
 

@@ -104,7 +104,8 @@ def test_declared_loss_kwargs_reach_compute_loss_and_others_are_refused(tmp_path
 
 
 def test_cli_loss_kwargs_and_stop_flags_parse():
-    from hf_specdec.cli import _loss_kwargs, build_parser
+    from hf_specdec.commands import build_parser
+    from hf_specdec.commands.train import _loss_kwargs
 
     argv = ["train", "--target", "t", "--output-dir", "o", "--loss-kwarg", "decay=0.5", "--loss-kwarg", "mode=x",
             "--ttt-steps", "3", "--stop-after-steps", "7"]  # fmt: skip

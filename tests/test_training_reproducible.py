@@ -9,7 +9,7 @@ import torch
 from helpers import chat_tokenizer
 from safetensors.torch import load_file
 
-from hf_specdec.cli import main as cli
+from hf_specdec.commands import main as cli
 from hf_specdec.testing import tiny_target
 
 

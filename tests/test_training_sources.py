@@ -11,7 +11,7 @@ from helpers import chat_tokenizer, chat_workspace
 from huggingface_hub import HfApi, constants
 from local_hub import LocalHub
 
-from hf_specdec.cli import main as cli
+from hf_specdec.commands import main as cli
 from hf_specdec.training.data import RecordList, tokenize_record
 from hf_specdec.training.regenerate import build_prompt
 from hf_specdec.training.sources import load_prompt_source, normalize_record

@@ -169,7 +169,7 @@ def test_profile_and_calibrate_commands(tmp_path):
 
     from helpers import chat_workspace
 
-    from hf_specdec.cli import main as cli
+    from hf_specdec.commands import main as cli
 
     target, tok, rng = chat_workspace(tmp_path)
     t = str(tmp_path / "target")

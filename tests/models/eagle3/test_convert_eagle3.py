@@ -221,7 +221,7 @@ def test_bad_checkpoints_fail_early(tmp_path):
 
 
 def test_convert_command(tmp_path, capsys):
-    from hf_specdec.cli import main
+    from hf_specdec.commands import main
 
     target = make_target("llama", layers=6)
     tensors, config = _source_checkpoint(target)

@@ -298,7 +298,7 @@ def test_bench_adaptation_row_gets_its_own_drafter(tmp_path):
     ``--draft-option "online_adaptation=true;adaptation_lr=..."`` is one row with both options."""
     from types import SimpleNamespace
 
-    from hf_specdec.cli import _draft_option_args, _row_drafter
+    from hf_specdec.commands.bench import _draft_option_args, _row_drafter
 
     target = make_target("llama")
     drafter = AutoModelForDrafting.from_config(SpecBlockConfig.for_target(target.config))

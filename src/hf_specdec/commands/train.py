@@ -1,0 +1,119 @@
+"""The `train` command: a drafter for a target, online or from dumped features."""
+
+from __future__ import annotations
+
+from .common import add_target_args, drafter_overrides, json_or_text, load_target
+
+
+def _loss_kwargs(args) -> dict | None:
+    """``--loss-kwarg KEY=VALUE`` (VALUE read as JSON, else a string) and ``--ttt-steps N`` (loss kwarg ``steps``)."""
+
+    out = {}
+    for item in getattr(args, "loss_kwarg", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--loss-kwarg expects KEY=VALUE, got {item!r}")
+        out[key] = json_or_text(value)
+    if getattr(args, "ttt_steps", None):
+        out["steps"] = args.ttt_steps
+    return out or None
+
+
+def _train(args) -> int:
+    from ..training.recipes import train_drafter
+    from ..training.trainer import DrafterTrainingArguments
+
+    target, tokenizer = load_target(args)
+    targs = DrafterTrainingArguments(
+        output_dir=args.output_dir,
+        num_train_epochs=args.epochs,
+        max_steps=args.max_steps,
+        batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.lr,
+        weight_decay=args.weight_decay,
+        warmup_ratio=args.warmup_ratio,
+        lr_scheduler_type=args.scheduler,
+        max_grad_norm=args.max_grad_norm,
+        mixed_precision=args.mixed_precision,
+        loss_kwargs=_loss_kwargs(args),
+        stop_after_steps=args.stop_after_steps,
+        overwrite_output_dir=args.overwrite_output_dir,
+        save_steps=args.save_steps,
+        eval_steps=args.eval_steps,
+        logging_steps=args.logging_steps,
+        seed=args.seed,
+        report_to=args.report_to,
+    )
+    drafter, record = train_drafter(
+        target,
+        tokenizer,
+        args.data,
+        targs,
+        drafter=args.drafter,
+        drafter_overrides=drafter_overrides(args),
+        features_dir=args.features,
+        eval_features_dir=args.eval_features,
+        max_train_examples=args.max_train_examples,
+        max_length=args.max_length,
+        eval_fraction=args.eval_fraction,
+        resume=args.resume,
+        lora={"r": args.lora_r, "lora_alpha": args.lora_alpha} if args.lora else None,
+    )
+    if record.get("stopped_early"):
+        print(f"stopped after step {record['steps']} of {record['total_steps']}; continue with --resume")
+    elif record:
+        ev = record.get("final_eval") or {}
+        print(
+            f"saved {type(drafter).__name__} to {args.output_dir}: {record['steps']} steps, "
+            f"{record.get('tokens_per_second')} tokens/s, held-out simulated tau {ev.get('simulated_tau')}"
+        )
+    return 0
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("train", help="train a drafter for a target (online or offline target features)")
+    add_target_args(p)
+    p.add_argument(
+        "--drafter", default=None, help="family name (fresh drafter; default: the default family) or a drafter path"
+    )
+    p.add_argument("--data", default=None, help="JSONL training data (chat, prompt/response, text or token ids)")
+    p.add_argument("--features", default=None, help="offline features directory from dump-features")
+    p.add_argument("--eval-features", default=None, help="a separate dump that is the held-out set (with --features)")
+    p.add_argument("--max-train-examples", type=int, default=None, help="train on this many leading examples")
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
+    p.add_argument("--overwrite-output-dir", action="store_true", help="start over in a folder holding another run")
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--eval-fraction", type=float, default=0.05)
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--max-steps", type=int, default=-1)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--warmup-ratio", type=float, default=0.03)
+    p.add_argument("--scheduler", default="cosine")
+    p.add_argument("--max-grad-norm", type=float, default=0.5)
+    p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
+    p.add_argument("--ttt-steps", type=int, default=None, help="unrolled draft steps in the loss (loss kwarg steps)")
+    p.add_argument("--loss-kwarg", action="append", metavar="KEY=VALUE", help="a loss kwarg the family declares")
+    p.add_argument("--stop-after-steps", type=int, default=-1, help="stop after this step; --resume goes on")
+    p.add_argument("--num-draft-tokens", type=int, default=None)
+    p.add_argument("--draft-vocab-size", type=int, default=None)
+    p.add_argument("--layer-ids", type=int, nargs="+", default=None)
+    p.add_argument(
+        "--config",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a config field of a fresh drafter (e.g. num_draft_tokens=3; VALUE read as JSON)",
+    )
+    p.add_argument("--save-steps", type=int, default=200)
+    p.add_argument("--eval-steps", type=int, default=100)
+    p.add_argument("--logging-steps", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report-to", default="auto", choices=["auto", "none", "tensorboard", "wandb"])
+    p.add_argument("--lora", action="store_true", help="adapt --drafter with a LoRA adapter instead of full training")
+    p.add_argument("--lora-r", type=int, default=8)
+    p.add_argument("--lora-alpha", type=int, default=16)
+    p.set_defaults(func=_train)
