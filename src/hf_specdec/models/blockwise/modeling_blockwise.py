@@ -21,7 +21,7 @@ class BlockwiseHead(nn.Module):
         super().__init__()
         self.up = nn.Linear(hidden_size, intermediate_size)
         self.down = nn.Linear(intermediate_size, hidden_size)
-        self.down.blockwise_zero_init = True  # read by BlockwiseForDrafting._init_weights
+        self.down.zero_init = True  # a fresh head adds only its bias: it starts at the target's head
         self.act = ACT2FN_SIMPLE[act]
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -49,15 +49,6 @@ class BlockwiseForDrafting(ParallelHeadsMixin, ReducedVocabularyMixin, DrafterPr
         )
         self.register_vocabulary_buffers(config)
         self.post_init()
-
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            if getattr(module, "blockwise_zero_init", False):
-                nn.init.zeros_(module.weight)  # a fresh head adds only its bias: it starts at the target's head
-            else:
-                nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
 
     @property
     def num_heads(self) -> int:

@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from transformers import PretrainedConfig
-
-from ...configuration_utils import (
-    DrafterConfig,
-    decoder_layer_defaults,
-    fill_decoder_layer_defaults,
-    fill_heads_defaults,
-    validate_decoder_layer,
-    validate_heads,
-)
+from ...configuration_utils import DecoderDrafterConfig, fill_heads_defaults, validate_decoder_layer, validate_heads
 
 __all__ = ["HydraConfig"]
 
 
-class HydraConfig(DrafterConfig):
+class HydraConfig(DecoderDrafterConfig):
     r"""Configuration of :class:`HydraForDrafting` (Hydra, Ankner et al. 2024, arXiv 2402.05109).
 
     Sequentially dependent heads on the target's final hidden state ``h_t``: head ``k`` (1-based) reads
@@ -53,36 +42,20 @@ class HydraConfig(DrafterConfig):
 
     model_type = "hydra_drafter"
 
+    # the decoder-layer fields (DecoderDrafterConfig) shape the prefix layer (used with prefix_layer=True)
     num_heads: int = 4
     num_layers: int = 1
-    hidden_size: int | None = None
     loss_labels: str = "soft"
     loss_decay: float = 1.0
     dropout: float = 0.0
-    initializer_range: float = 0.02
     num_draft_tokens: int | None = None
     prefix_layer: bool = False
     prefix_norm: bool = False
     head_bias: bool = False
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096
-    rope_scaling_parameters: dict | None = None
-    attention_bias: bool = False
 
     def __post_init__(self, **kwargs):
         fill_heads_defaults(self)
-        fill_decoder_layer_defaults(self)
         super().__post_init__(**kwargs)
-
-    @classmethod
-    def architecture_defaults(cls, text_config: PretrainedConfig) -> dict[str, Any]:
-        return decoder_layer_defaults(text_config)  # the prefix layer's shape (used with prefix_layer=True)
 
     @classmethod
     def default_target_layer_ids(cls, num_layers: int) -> list[int]:

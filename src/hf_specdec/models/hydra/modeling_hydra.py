@@ -27,10 +27,10 @@ class HydraHead(nn.Module):
         super().__init__()
         self.proj = nn.Linear(in_features, hidden_size, bias=bias)  # the linear residual path
         self.first = nn.Linear(in_features, hidden_size)
-        self.first.hydra_zero_init = True
+        self.first.zero_init = True
         self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_layers - 1))
         for block in self.blocks:
-            block.hydra_zero_init = True
+            block.zero_init = True
         self.act = nn.SiLU()
         self.dropout = nn.Dropout(dropout)
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=bias)
@@ -108,20 +108,6 @@ class HydraForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
         self.prefix = HydraPrefixLayer(config) if config.prefix_layer else None
         self.register_vocabulary_buffers(config)
         self.post_init()
-
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, (RMSNorm, RotaryEmbedding)):
-            module.reset_parameters()
-        if not isinstance(module, nn.Linear):
-            return
-        if getattr(module, "hydra_zero_init", False):
-            nn.init.zeros_(module.weight)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        else:
-            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
 
     @property
     def num_heads(self) -> int:

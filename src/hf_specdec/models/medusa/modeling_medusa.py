@@ -18,7 +18,7 @@ class MedusaResBlock(nn.Module):
     def __init__(self, hidden_size: int, bias: bool = True):
         super().__init__()
         self.linear = nn.Linear(hidden_size, hidden_size, bias=bias)
-        self.linear.medusa_zero_init = True  # read by MedusaForDrafting._init_weights
+        self.linear.zero_init = True  # the paper's zero init: a fresh head starts near the target's LM head
         self.act = nn.SiLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,16 +60,12 @@ class MedusaForDrafting(ParallelHeadsMixin, ReducedVocabularyMixin, DrafterPreTr
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
-        # transformers applies this to every leaf module; the blocks' linears are marked by MedusaResBlock.
-        if not isinstance(module, nn.Linear):
-            return
-        if getattr(module, "medusa_zero_init", False):
-            nn.init.zeros_(module.weight)  # the paper's zero init: a fresh head starts near the target's LM head
-            if module.bias is not None:
-                bound = module.in_features**-0.5
-                nn.init.uniform_(module.bias, -bound, bound)  # nn.Linear's default bias init
-        else:
-            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+        """The shared convention (``zero_init`` leaves start at zero), except that a zero-initialised block keeps
+        nn.Linear's default bias, as the paper's blocks do."""
+        super()._init_weights(module)
+        if isinstance(module, nn.Linear) and getattr(module, "zero_init", False) and module.bias is not None:
+            bound = module.in_features**-0.5
+            nn.init.uniform_(module.bias, -bound, bound)
 
     @property
     def num_heads(self) -> int:
