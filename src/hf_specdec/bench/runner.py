@@ -451,6 +451,38 @@ def run_benchmark(
             (:func:`hf_specdec.bench.tasks.load_task`): every method's first-repeat output of every prompt, decoded
             up to its first EOS, is scored, giving ``task_accuracy`` per record.
     """
+    _check_arguments(prompts, methods, max_new_tokens, repeats, warmup, batch_sizes, temperatures)
+    bench = _Benchmark(target, tokenizer, methods, prompts, max_new_tokens, top_p, max_prompt_tokens)
+    settings = [(t, b) for t in temperatures for b in batch_sizes]
+    load_record = bench.time_all(settings, warmup, repeats, seed, progress)
+    bench.score_approximate_methods()
+    if scorer is not None:
+        bench.score_task(scorer)
+    bench.classify_greedy_mismatches(settings)
+    records = _build_records(bench.results, bench.skipped, settings, bench.batches_of, prompts, bench.methods,
+                             bench.plain_name, bench.reference_of, _is_half(bench.rounding_dtype))  # fmt: skip
+    report_config = {
+        "target": str(getattr(target, "name_or_path", "") or type(target).__name__),
+        "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        "near_tie_dtype": str(bench.rounding_dtype).removeprefix("torch."),
+        "near_tie_k": NEAR_TIE_K,
+        "max_new_tokens": max_new_tokens,
+        "temperatures": list(temperatures),
+        "top_p": top_p,
+        "batch_sizes": list(batch_sizes),
+        "warmup": warmup,
+        "repeats": repeats,
+        "seed": seed,
+        "num_prompts": len(prompts),
+        "categories": sorted({item.category for item in prompts}),
+        "max_prompt_tokens": max_prompt_tokens,
+        "methods": _describe_methods(bench.methods, bench.reference_of, bench.plain_name),
+    }
+    report_config.update(config or {})
+    return {"hardware": hardware_info(bench.device), "config": report_config, "records": records, "load": load_record}
+
+
+def _check_arguments(prompts, methods, max_new_tokens, repeats, warmup, batch_sizes, temperatures) -> None:
     if not prompts:
         raise ValueError("No prompts to benchmark: check the prompt source, categories and limits.")
     if max_new_tokens < 1:
@@ -464,227 +496,242 @@ def run_benchmark(
     names = [m.name for m in methods]
     if len(set(names)) != len(names):
         raise ValueError(f"Method names must be unique, got {names}.")
-    methods = list(methods)
-    if not any(m.kind == "plain" and m.target is None for m in methods):
-        methods.insert(0, plain_method())
-    plain_name = next(m.name for m in methods if m.kind == "plain" and m.target is None)
-    by_name = {m.name: m for m in methods}
-    reference_of = {m.name: m.reference or plain_name for m in methods}
-    for name, ref in reference_of.items():
-        if by_name.get(ref) is None or by_name[ref].kind != "plain" or by_name[ref].target is not by_name[name].target:
-            raise ValueError(
-                f"Method {name!r} must be checked against a plain method of the same model, got reference {ref!r}; "
-                "build adapted-target rows with adapted_target_methods()."
-            )
 
-    def model_of(method: BenchMethod):
-        return target if method.target is None else method.target
 
-    device = target.get_output_embeddings().weight.device
-    input_device = target.get_input_embeddings().weight.device
-    eos_ids = _eos_ids(target)
-    if tokenizer.pad_token_id is None:
-        raise ValueError("The tokenizer has no pad token; set `tokenizer.pad_token` (e.g. to its EOS token).")
-    pad_id = tokenizer.pad_token_id
-    max_positions = getattr(target.config, "max_position_embeddings", None)
+class _Benchmark:
+    """One :func:`run_benchmark` call's state, phase by phase: the methods (plain first) and their references, the
+    encoded prompts, the forward counters; then the timed runs (:meth:`time_all`) and the untimed checks of their
+    outputs (log-likelihood of approximate methods, task scores, classified greedy mismatches)."""
 
-    encoded = {}
-    for item in prompts:
-        ids = tokenizer(render_prompt(item, tokenizer), return_tensors="pt").input_ids[0]
-        if max_prompt_tokens is not None and ids.numel() > max_prompt_tokens:
-            ids = ids[-max_prompt_tokens:]
-        if max_positions is not None and ids.numel() + max_new_tokens > max_positions:
-            raise ValueError(
-                f"Prompt {item.id!r} has {ids.numel()} tokens; with max_new_tokens={max_new_tokens} it exceeds the "
-                f"target's {max_positions} positions. Pass max_prompt_tokens (--max-prompt-tokens) or fewer tokens."
-            )
-        encoded[item.id] = ids
+    def __init__(self, target, tokenizer, methods, prompts, max_new_tokens, top_p, max_prompt_tokens):
+        self.target, self.tokenizer, self.prompts = target, tokenizer, prompts
+        self.max_new_tokens, self.top_p = max_new_tokens, top_p
+        self.methods = list(methods)
+        if not any(m.kind == "plain" and m.target is None for m in self.methods):
+            self.methods.insert(0, plain_method())
+        self.plain_name = next(m.name for m in self.methods if m.kind == "plain" and m.target is None)
+        self.by_name = {m.name: m for m in self.methods}
+        self.reference_of = {m.name: m.reference or self.plain_name for m in self.methods}
+        self._check_references()
+        self.device = target.get_output_embeddings().weight.device
+        self.input_device = target.get_input_embeddings().weight.device
+        self.eos_ids = _eos_ids(target)
+        if tokenizer.pad_token_id is None:
+            raise ValueError("The tokenizer has no pad token; set `tokenizer.pad_token` (e.g. to its EOS token).")
+        self.pad_id = tokenizer.pad_token_id
+        self.encoded = self._encode(max_prompt_tokens)
+        self.rounding_dtype = _rounding_dtype(target)
+        self.results: dict[tuple, list[_Run]] = {}
+        self.skipped: dict[tuple, str] = {}
+        self.batches_of: dict[int, list[list[PromptItem]]] = {}
 
-    def make_inputs(batch: list[PromptItem]):
-        seqs = [encoded[item.id] for item in batch]
+    def _check_references(self) -> None:
+        for name, ref in self.reference_of.items():
+            reference = self.by_name.get(ref)
+            if reference is None or reference.kind != "plain" or reference.target is not self.by_name[name].target:
+                raise ValueError(
+                    f"Method {name!r} must be checked against a plain method of the same model, got reference "
+                    f"{ref!r}; build adapted-target rows with adapted_target_methods()."
+                )
+
+    def model_of(self, method: BenchMethod):
+        return self.target if method.target is None else method.target
+
+    def _encode(self, max_prompt_tokens: int | None) -> dict:
+        max_positions = getattr(self.target.config, "max_position_embeddings", None)
+        encoded = {}
+        for item in self.prompts:
+            ids = self.tokenizer(render_prompt(item, self.tokenizer), return_tensors="pt").input_ids[0]
+            if max_prompt_tokens is not None and ids.numel() > max_prompt_tokens:
+                ids = ids[-max_prompt_tokens:]
+            if max_positions is not None and ids.numel() + self.max_new_tokens > max_positions:
+                raise ValueError(
+                    f"Prompt {item.id!r} has {ids.numel()} tokens; with max_new_tokens={self.max_new_tokens} it "
+                    f"exceeds the target's {max_positions} positions. Pass max_prompt_tokens (--max-prompt-tokens) "
+                    "or fewer tokens."
+                )
+            encoded[item.id] = ids
+        return encoded
+
+    def make_inputs(self, batch: list[PromptItem]):
+        seqs = [self.encoded[item.id] for item in batch]
         width = max(s.numel() for s in seqs)
-        ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
         for i, s in enumerate(seqs):  # left padding
             ids[i, width - s.numel() :] = s
             mask[i, width - s.numel() :] = 1
-        return ids.to(input_device), mask.to(input_device)
+        return ids.to(self.input_device), mask.to(self.input_device)
 
-    # target forwards per generating model (a peft-wrapped target counts its base model's forwards)
-    target_counters = {}
-    for method in methods:
-        model = model_of(method)
-        if id(model) not in target_counters:
-            base = model.get_base_model() if hasattr(model, "get_base_model") else model
-            target_counters[id(model)] = _Counter(base, timed=False)
-    assistant_counters = {m.name: _Counter(m.model, timed=True) for m in methods if m.kind == "assisted"}
-
-    def method_kwargs(method: BenchMethod, temperature: float) -> dict:
+    def method_kwargs(self, method: BenchMethod, temperature: float) -> dict:
         kwargs = dict(method.generate_kwargs)
-        kwargs.update(max_new_tokens=max_new_tokens, pad_token_id=pad_id)
+        kwargs.update(max_new_tokens=self.max_new_tokens, pad_token_id=self.pad_id)
         if temperature > 0:
-            kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0 if top_p is None else top_p)
+            top_p = 1.0 if self.top_p is None else self.top_p
+            kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=top_p)
         else:
             kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         return kwargs
 
-    def run_once(method: BenchMethod, ids, mask, temperature: float, run_seed: int) -> _Run:
-        kwargs = method_kwargs(method, temperature)
+    # ---------------------------------------------------------------------------------------------- timed runs
+    def _install_counters(self) -> None:
+        """Target forwards per generating model (a peft-wrapped target counts its base model's), and the assistant
+        models' calls and time."""
+        self.target_counters = {}
+        for method in self.methods:
+            model = self.model_of(method)
+            if id(model) not in self.target_counters:
+                base = model.get_base_model() if hasattr(model, "get_base_model") else model
+                self.target_counters[id(model)] = _Counter(base, timed=False)
+        self.assistant_counters = {m.name: _Counter(m.model, timed=True) for m in self.methods if m.kind == "assisted"}
+
+    def _remove_counters(self) -> None:
+        for counter in [*self.target_counters.values(), *self.assistant_counters.values()]:
+            counter.remove()
+
+    def run_once(self, method: BenchMethod, ids, mask, temperature: float, run_seed: int) -> _Run:
+        kwargs = self.method_kwargs(method, temperature)
         if method.kind == "drafter":
             kwargs["return_dict_in_generate"] = True
-        counter = assistant_counters.get(method.name)
+        counter = self.assistant_counters.get(method.name)
         if counter is not None:
             counter.reset()
-        target_counter = target_counters[id(model_of(method))]
+        target_counter = self.target_counters[id(self.model_of(method))]
         target_counter.reset()
         torch.manual_seed(run_seed)
-        _sync(device)
+        _sync(self.device)
         t0 = time.perf_counter()
-        out = model_of(method).generate(input_ids=ids, attention_mask=mask, **kwargs)
-        _sync(device)
+        out = self.model_of(method).generate(input_ids=ids, attention_mask=mask, **kwargs)
+        _sync(self.device)
         seconds = time.perf_counter() - t0
         sequences = out.sequences if hasattr(out, "sequences") else out
         run = _Run(
             seconds=seconds,
-            new_tokens=_count_new_tokens(sequences[:, ids.shape[1] :], eos_ids),
+            new_tokens=_count_new_tokens(sequences[:, ids.shape[1] :], self.eos_ids),
             target_forwards=target_counter.calls,
             sequences=sequences.cpu(),
             prompt_width=ids.shape[1],
         )
         # Generation ends at an EOS or at max_new_tokens: a row without an EOS was cut by the cap.
-        run.cap_hits = sum(not (set(row.tolist()) & eos_ids) for row in run.sequences[:, ids.shape[1] :])
+        run.cap_hits = sum(not (set(row.tolist()) & self.eos_ids) for row in run.sequences[:, ids.shape[1] :])
         if method.kind == "drafter":
-            for acc_row, draft_row in zip(out.accepted_lengths, out.draft_lengths):
-                run.accepted.extend(acc_row)
-                run.drafted.extend(draft_row)
-            run.draft_s = out.timings["draft_s"]
-            run.drafting_s = out.timings["drafting_s"]
-            run.draft_steps = out.timings["draft_steps"]
-            run.verify_target_s = out.timings["target_s"]
-            run.passes = out.timings["passes"]
-            run.plain_steps = out.timings.get("plain_steps", 0)
-            run.lookup_passes = out.timings.get("lookup_passes", 0)
-            if out.timings.get("cache_length"):
-                run.cache_ratio = out.timings["cache_length"] / sequences.shape[1]
+            _record_loop_timings(run, out, sequences.shape[1])
         if counter is not None:
             run.assistant_calls, run.assistant_s = counter.calls, counter.seconds
         return run
 
-    settings = [(t, b) for t in temperatures for b in batch_sizes]
-    total = sum(len(_batches(prompts, b)) for _, b in settings) * repeats * len(methods)
-    bar = _progress(total, progress)
-    results: dict[tuple, list[_Run]] = {}
-    skipped: dict[tuple, str] = {}
-    batches_of: dict[int, list[list[PromptItem]]] = {}
-    load = _LoadLog()
-    try:
-        for temperature, bsz in settings:
-            batches = batches_of.setdefault(bsz, _batches(prompts, bsz))
-            active = []
-            for method in methods:
-                reason = method.skip_reason(bsz, temperature > 0)
-                if reason:
-                    skipped[(method.name, temperature, bsz)] = reason
-                else:
-                    active.append(method)
-            ids, mask = make_inputs(batches[0])
-            for _ in range(warmup):
-                for method in active:
-                    run_once(method, ids, mask, temperature, seed)
-            for rep in range(repeats):
-                for b_idx, batch in enumerate(batches):
-                    ids, mask = make_inputs(batch)
-                    shift = (rep + b_idx) % len(active)
-                    for method in active[shift:] + active[:shift]:
-                        run = run_once(method, ids, mask, temperature, seed + 1000 * rep + b_idx)
-                        results.setdefault((method.name, temperature, bsz, b_idx), []).append(run)
-                        bar.update(1)
-                    bar.update(len(methods) - len(active))
-                load.repeat_done(temperature, bsz, rep)
-    finally:
-        bar.close()
-        for counter in target_counters.values():
-            counter.remove()
-        for counter in assistant_counters.values():
-            counter.remove()
-    load_record = load.record()
+    def _active_methods(self, temperature: float, bsz: int) -> list[BenchMethod]:
+        active = []
+        for method in self.methods:
+            reason = method.skip_reason(bsz, temperature > 0)
+            if reason:
+                self.skipped[(method.name, temperature, bsz)] = reason
+            else:
+                active.append(method)
+        return active
 
-    # Quality of approximate methods: the target's log-likelihood of what each method generated (their plain
-    # references included), under the model they generate for.
-    approximate = [m for m in methods if m.approximate]
-    scored = {m.name for m in approximate} | {reference_of[m.name] for m in approximate}
-    if approximate:
-        for (name, temperature, bsz, b_idx), runs in results.items():
+    def time_all(self, settings, warmup: int, repeats: int, seed: int, progress: bool) -> dict:
+        """Every method on every batch, ``repeats`` times, in an order rotated per batch and repeat (so no method
+        always runs first); returns the machine-load record."""
+        total = sum(len(_batches(self.prompts, b)) for _, b in settings) * repeats * len(self.methods)
+        bar = _progress(total, progress)
+        load = _LoadLog()
+        self._install_counters()
+        try:
+            for temperature, bsz in settings:
+                batches = self.batches_of.setdefault(bsz, _batches(self.prompts, bsz))
+                active = self._active_methods(temperature, bsz)
+                ids, mask = self.make_inputs(batches[0])
+                for _ in range(warmup):
+                    for method in active:
+                        self.run_once(method, ids, mask, temperature, seed)
+                for rep in range(repeats):
+                    for b_idx, batch in enumerate(batches):
+                        ids, mask = self.make_inputs(batch)
+                        shift = (rep + b_idx) % len(active)
+                        for method in active[shift:] + active[:shift]:
+                            run = self.run_once(method, ids, mask, temperature, seed + 1000 * rep + b_idx)
+                            self.results.setdefault((method.name, temperature, bsz, b_idx), []).append(run)
+                            bar.update(1)
+                        bar.update(len(self.methods) - len(active))
+                    load.repeat_done(temperature, bsz, rep)
+        finally:
+            bar.close()
+            self._remove_counters()
+        return load.record()
+
+    # ---------------------------------------------------------------------------------------------- untimed checks
+    def score_approximate_methods(self) -> None:
+        """The target's log-likelihood of what each approximate method generated (their plain references too),
+        under the model they generate for."""
+        approximate = [m for m in self.methods if m.approximate]
+        scored = {m.name for m in approximate} | {self.reference_of[m.name] for m in approximate}
+        for (name, temperature, bsz, b_idx), runs in self.results.items():
             if name in scored and temperature == 0:
-                ids, mask = make_inputs(batches_of[bsz][b_idx])
+                _, mask = self.make_inputs(self.batches_of[bsz][b_idx])
                 runs[0].target_logprob = _target_logprob(
-                    model_of(by_name[name]), runs[0].sequences, mask, eos_ids, input_device
+                    self.model_of(self.by_name[name]), runs[0].sequences, mask, self.eos_ids, self.input_device
                 )
 
-    if scorer is not None:  # task accuracy of every method's first-repeat outputs (untimed)
-        for (_, _, bsz, b_idx), runs in results.items():
+    def score_task(self, scorer) -> None:
+        """Task accuracy of every method's first-repeat outputs."""
+        for (_, _, bsz, b_idx), runs in self.results.items():
             run = runs[0]
             texts = [
-                tokenizer.decode(_row_tokens(row, eos_ids), skip_special_tokens=True)
+                self.tokenizer.decode(_row_tokens(row, self.eos_ids), skip_special_tokens=True)
                 for row in run.sequences[:, run.prompt_width :]
             ]
-            run.task_scores = [bool(scorer(item, text)) for item, text in zip(batches_of[bsz][b_idx], texts)]
+            run.task_scores = [bool(scorer(item, text)) for item, text in zip(self.batches_of[bsz][b_idx], texts)]
 
-    # Greedy mismatches: each output that differs from its plain reference's, classified at its first divergent
-    # token (untimed).
-    rounding_dtype = _rounding_dtype(target)
-    for temperature, bsz, baseline in [(t, b, m) for t, b in settings for m in methods if m.kind == "plain"]:
-        if temperature > 0 or reference_of[baseline.name] != baseline.name:
-            continue
-        for b_idx, batch in enumerate(batches_of[bsz]):
-            plain_runs = results.get((baseline.name, temperature, bsz, b_idx))
-            if not plain_runs:
+    def classify_greedy_mismatches(self, settings) -> None:
+        """Each greedy output that differs from its plain reference's, classified at its first divergent token."""
+        for temperature, bsz in settings:
+            if temperature > 0:
                 continue
-            plain_runs[0].divergences = []
-            found = {}
-            for method in methods:
-                runs = results.get((method.name, temperature, bsz, b_idx))
-                if method.name != baseline.name and reference_of[method.name] == baseline.name and runs:
-                    found[method.name] = _first_divergences(plain_runs[0], runs[0], eos_ids)
-            step_logits = {}
-            if any(found.values()):
-                ids, mask = make_inputs(batch)
-                kwargs = method_kwargs(baseline, temperature)
-                step_logits = _plain_step_logits(
-                    model_of(baseline), plain_runs[0], ids, mask, kwargs, found, eos_ids, input_device
-                )
-            for name, divergences in found.items():
-                for div in divergences:
-                    logits, div["source"] = step_logits[(div["row"], div["position"])]
-                    if logits is None:
-                        div.update(kind="real", margin=None, tolerance=None)
-                    else:
-                        div.update(classify_divergence(logits, div["plain_token"], div["token"], rounding_dtype))
-                    div["prompt"] = batch[div["row"]].id
-                results[(name, temperature, bsz, b_idx)][0].divergences = divergences
+            for baseline in self.methods:
+                if baseline.kind == "plain" and self.reference_of[baseline.name] == baseline.name:
+                    for b_idx, batch in enumerate(self.batches_of[bsz]):
+                        self._classify_batch(baseline, temperature, bsz, b_idx, batch)
 
-    records = _build_records(
-        results, skipped, settings, batches_of, prompts, methods, plain_name, reference_of, _is_half(rounding_dtype)
-    )
-    report_config = {
-        "target": str(getattr(target, "name_or_path", "") or type(target).__name__),
-        "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
-        "near_tie_dtype": str(rounding_dtype).removeprefix("torch."),
-        "near_tie_k": NEAR_TIE_K,
-        "max_new_tokens": max_new_tokens,
-        "temperatures": list(temperatures),
-        "top_p": top_p,
-        "batch_sizes": list(batch_sizes),
-        "warmup": warmup,
-        "repeats": repeats,
-        "seed": seed,
-        "num_prompts": len(prompts),
-        "categories": sorted({item.category for item in prompts}),
-        "max_prompt_tokens": max_prompt_tokens,
-        "methods": _describe_methods(methods, reference_of, plain_name),
-    }
-    report_config.update(config or {})
-    return {"hardware": hardware_info(device), "config": report_config, "records": records, "load": load_record}
+    def _classify_batch(self, baseline, temperature, bsz, b_idx, batch) -> None:
+        plain_runs = self.results.get((baseline.name, temperature, bsz, b_idx))
+        if not plain_runs:
+            return
+        plain_runs[0].divergences = []
+        found = {}
+        for method in self.methods:
+            runs = self.results.get((method.name, temperature, bsz, b_idx))
+            if method.name != baseline.name and self.reference_of[method.name] == baseline.name and runs:
+                found[method.name] = _first_divergences(plain_runs[0], runs[0], self.eos_ids)
+        step_logits = {}
+        if any(found.values()):
+            ids, mask = self.make_inputs(batch)
+            kwargs = self.method_kwargs(baseline, temperature)
+            step_logits = _plain_step_logits(
+                self.model_of(baseline), plain_runs[0], ids, mask, kwargs, found, self.eos_ids, self.input_device
+            )
+        for name, divergences in found.items():
+            for div in divergences:
+                logits, div["source"] = step_logits[(div["row"], div["position"])]
+                if logits is None:
+                    div.update(kind="real", margin=None, tolerance=None)
+                else:
+                    div.update(classify_divergence(logits, div["plain_token"], div["token"], self.rounding_dtype))
+                div["prompt"] = batch[div["row"]].id
+            self.results[(name, temperature, bsz, b_idx)][0].divergences = divergences
+
+
+def _record_loop_timings(run: _Run, out, sequence_length: int) -> None:
+    """What an hf_specdec ``generate`` reports about its passes, onto the run."""
+    for acc_row, draft_row in zip(out.accepted_lengths, out.draft_lengths):
+        run.accepted.extend(acc_row)
+        run.drafted.extend(draft_row)
+    timings = out.timings
+    run.draft_s, run.drafting_s, run.draft_steps = timings["draft_s"], timings["drafting_s"], timings["draft_steps"]
+    run.verify_target_s, run.passes = timings["target_s"], timings["passes"]
+    run.plain_steps, run.lookup_passes = timings.get("plain_steps", 0), timings.get("lookup_passes", 0)
+    if timings.get("cache_length"):
+        run.cache_ratio = timings["cache_length"] / sequence_length
 
 
 def _build_records(results, skipped, settings, batches_of, prompts, methods, plain_name, reference_of, half) -> list:
@@ -943,33 +990,7 @@ def _aggregate(
         limits.append(math.inf if alpha >= 1.0 else 1.0 / (1.0 - alpha))
     if limits and min(limits) < math.inf:
         bound = min(limits)
-    identical = divergence = None
-    mismatch: dict[str, Any] = dict(
-        mismatches=None, near_tie_mismatches=None, real_mismatches=None, identical_up_to_near_ties=None
-    )
-    details = None
-    if temperature == 0:
-        rows = 0
-        details = []
-        complete = True
-        for i in idx:
-            plain_run = results.get((reference, temperature, bsz, i), [])[:1]
-            mine = results.get((name, temperature, bsz, i), [])[:1]
-            if not plain_run or not mine:
-                complete = False
-                continue
-            rows += plain_run[0].sequences.shape[0]
-            details.extend(mine[0].divergences or [])  # set for every greedy first-repeat run, [] for plain's
-        near_ties = sum(d.get("kind") == "near_tie" for d in details)
-        identical = not details and complete
-        divergence = len(details) / rows if rows else None
-        mismatch.update(
-            mismatches=len(details),
-            near_tie_mismatches=near_ties,
-            real_mismatches=len(details) - near_ties,
-            # fp32 promises exact identity: near-ties are reported there but not excused.
-            identical_up_to_near_ties=complete and near_ties == len(details) and (half or not details),
-        )
+    identity = _greedy_identity(results, name, reference, temperature, bsz, idx, half)
     logprobs = [r.target_logprob for i in idx for r in results.get((name, temperature, bsz, i), [])[:1]]
     logprob = None
     if logprobs and all(x is not None for x in logprobs):
@@ -984,11 +1005,8 @@ def _aggregate(
         speedup_bound=_round(bound),
         verify_cost_ratio=_round(verify_cost),
         predicted_speedup=_round(predicted),
-        identical=identical,
-        divergence_rate=_round(divergence),
-        **mismatch,
+        **identity,
         target_logprob=_round(logprob),
-        mismatch_details=details,
     )
     passes = sum(r.passes for r in runs)
     if passes:
@@ -1006,6 +1024,35 @@ def _aggregate(
         # a run over the sequence length (prompt padding included), the worst run.
         rec["cache_length_ratio"] = _round(max(ratios))
     return rec
+
+
+def _greedy_identity(results, name, reference, temperature, bsz, idx, half) -> dict[str, Any]:
+    """How a method's greedy first-repeat outputs compare with its plain reference's: identical, the share of
+    differing rows, and the differences classified (near-ties, real); all ``None`` when sampling."""
+    keys = ("identical", "divergence_rate", "mismatches", "near_tie_mismatches", "real_mismatches",
+            "identical_up_to_near_ties", "mismatch_details")  # fmt: skip
+    if temperature != 0:
+        return dict.fromkeys(keys)
+    rows, details, complete = 0, [], True
+    for i in idx:
+        plain_run = results.get((reference, temperature, bsz, i), [])[:1]
+        mine = results.get((name, temperature, bsz, i), [])[:1]
+        if not plain_run or not mine:
+            complete = False
+            continue
+        rows += plain_run[0].sequences.shape[0]
+        details.extend(mine[0].divergences or [])  # set for every greedy first-repeat run, [] for plain's
+    near_ties = sum(d.get("kind") == "near_tie" for d in details)
+    return dict(
+        identical=not details and complete,
+        divergence_rate=_round(len(details) / rows) if rows else None,
+        mismatches=len(details),
+        near_tie_mismatches=near_ties,
+        real_mismatches=len(details) - near_ties,
+        # fp32 promises exact identity: near-ties are reported there but not excused.
+        identical_up_to_near_ties=complete and near_ties == len(details) and (half or not details),
+        mismatch_details=details,
+    )
 
 
 def _speed(results, name, temperature, bsz, idx, plain: dict | None) -> dict:
