@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -513,7 +514,6 @@ def _check_proposal(proposal: Proposal, bsz: int, limit: int, drafter) -> None:
 # ------------------------------------------------------------------------------------------------------------------
 # the loop
 # ------------------------------------------------------------------------------------------------------------------
-@torch.no_grad()
 def _generation_room(generation_config, prompt_len: int) -> tuple[int, int]:
     """``(max_length, new tokens to generate)``; refuses a prompt that leaves no room."""
     max_length = generation_config.max_length
@@ -541,7 +541,378 @@ def _holding_the_drafter(generate_fn):
     return generate
 
 
+@dataclass
+class DecodingOptions:
+    """What one ``generate`` call asked for, resolved once: the call's keywords first, then the frozen attributes of
+    its ``GenerationConfig`` (``generate`` routes its keywords to the same names), checked against the drafter.
+
+    Attributes:
+        k_max: most draft tokens of a chain pass (capped at the tokens left to generate).
+        do_sample: sampling or greedy.
+        verifier: the verifier instance.
+        draft_options: the drafter family's own options (``init_draft_state`` keywords).
+        tree_kwargs / policy: the tree options and their policy (``None``: chains).
+        draft_length: ``"adaptive"`` or ``"fixed"``.
+        lookup_tokens: longest prompt-lookup copy merged into chains (0: off; always 0 with trees).
+        width_max / depth_max: most draft nodes in a pass / most tokens a pass can accept.
+        max_length / max_new: the length limit and the tokens it leaves after the prompt.
+    """
+
+    k_max: int
+    do_sample: bool
+    verifier: Any
+    draft_options: dict
+    tree_kwargs: dict
+    policy: Any
+    draft_length: str
+    lookup_tokens: int
+    width_max: int
+    depth_max: int
+    max_length: int
+    max_new: int
+
+    @classmethod
+    def resolve(cls, drafter, generation_config, prompt_len: int, num_draft_tokens, verifier, verifier_options,
+                draft_options, draft_length, lookup_tokens) -> DecodingOptions:  # fmt: skip
+        max_length, max_new = _generation_room(generation_config, prompt_len)
+        k_max = int(num_draft_tokens if num_draft_tokens is not None else drafter.config.num_draft_tokens)
+        if k_max < 1:
+            raise ValueError(f"num_draft_tokens / num_assistant_tokens must be >= 1, got {k_max}.")
+        do_sample = bool(generation_config.do_sample)
+        verifier, verifier_options, draft_options = _resolve_options(
+            generation_config, verifier, verifier_options, draft_options, drafter
+        )
+        if draft_length is None:
+            draft_length = getattr(generation_config, "draft_length", None) or "adaptive"
+        if draft_length not in DRAFT_LENGTH_MODES:
+            raise ValueError(f"draft_length must be one of {DRAFT_LENGTH_MODES}, got {draft_length!r}.")
+        tree_kwargs = {k: draft_options.pop(k) for k in TREE_OPTIONS if k in draft_options}
+        policy = _tree_policy_for(drafter, tree_kwargs)
+        lookup_tokens = _lookup_tokens(generation_config, lookup_tokens, max_new)
+        k_max = min(k_max, max_new)  # no pass commits more tokens than are left
+        _check_draft_depth(drafter, policy, k_max)
+        if policy is not None:
+            lookup_tokens = 0  # trees: the copy would be a branch; merged into chains only for now
+        width_max = policy.max_nodes if policy is not None else max(k_max, lookup_tokens)
+        return cls(
+            k_max=k_max, do_sample=do_sample, verifier=get_verifier(verifier, do_sample, **verifier_options),
+            draft_options=draft_options, tree_kwargs=tree_kwargs, policy=policy, draft_length=draft_length,
+            lookup_tokens=lookup_tokens, width_max=width_max,
+            depth_max=policy.max_depth if policy is not None else width_max, max_length=max_length, max_new=max_new,
+        )  # fmt: skip
+
+    def controller_key(self):
+        """What the adaptive length keys its memory on, besides the target, batch size, mode and device."""
+        if self.policy is None:
+            return None, self.k_max
+        return tuple(sorted((k, repr(v)) for k, v in self.tree_kwargs.items())), self.width_max
+
+
+def _lookup_tokens(generation_config, lookup_tokens, max_new: int) -> int:
+    if lookup_tokens is None:
+        lookup_tokens = getattr(generation_config, "lookup_tokens", None)
+    lookup_tokens = 10 if lookup_tokens is None else int(lookup_tokens)
+    if lookup_tokens < 0:
+        raise ValueError(f"lookup_tokens must be >= 0 (0 turns prompt lookup off), got {lookup_tokens}.")
+    return min(lookup_tokens, max_new)
+
+
+def _check_draft_depth(drafter, policy, k_max: int) -> None:
+    cap = drafter.max_draft_depth  # e.g. a head family drafts at most one token per head
+    depth = policy.max_depth if policy is not None else k_max
+    if cap is not None and depth > cap:
+        what = f"a tree of depth {depth}" if policy is not None else f"{k_max} draft tokens per pass"
+        raise ValueError(
+            f"{type(drafter).__name__} drafts at most {cap} tokens ahead (config.{drafter.max_draft_depth_source}), "
+            f"so it cannot propose {what}; ask for at most {cap} (num_assistant_tokens, tree_depth or a shallower "
+            "tree)."
+        )
+
+
+@dataclass
+class _Pass:
+    """One decoding pass, from its plan to its feedback."""
+
+    k: int  # tokens asked of the drafter (0: a plain step, or a prompt-lookup copy alone)
+    limit: int  # most draft tokens the length limit allows
+    proposal: Proposal | None = None
+    lookup_only: bool = False  # the pass verifies a prompt-lookup copy instead of a plain step
+    catchup_s: float = 0.0  # the drafter's catch-up on earlier plain steps, before drafting
+    catchup_slots: int = 0
+    t_start: float = 0.0
+
+
+class SpeculativeDecoder:
+    """The state of one speculative ``generate`` call: :meth:`prefill` once, then :meth:`step` until :attr:`done`,
+    then :meth:`output`.
+
+    Each step plans the pass (the adaptive length's choice: a plain step, a prompt-lookup copy, a chain or a tree),
+    proposes it, runs the target over it, verifies, commits the accepted tokens and feeds the verified slots back to
+    the drafter (or keeps them for it, after a plain step, until it drafts again).
+
+    The parts: :class:`TargetPasses` (the target's cache and passes), :class:`Committer` (what is committed, stopping,
+    the streamer, scores), :class:`LoopStats` (times and per-pass counts), the verifier and, with the adaptive length,
+    the :class:`~hf_specdec.generation.adaptive.DraftLengthController` kept for this target and setting.
+    """
+
+    def __init__(self, model, drafter, input_ids, options: DecodingOptions, generation_config, logits_processor,
+                 stopping_criteria, streamer, spec_timing: bool, model_kwargs: dict):  # fmt: skip
+        self.model, self.drafter, self.options = model, drafter, options
+        self.bsz, self.prompt_len = input_ids.shape
+        self.work = drafter.device  # = device of the target's LM head
+        self.in_device = input_ids.device
+        self.input_ids = input_ids.to(self.work)
+        self.verifier = options.verifier
+        self.verifier.start(self.bsz, self.work, options.do_sample)  # sampling uses the global RNG, as generate
+        self.processor = ScoreProcessor(logits_processor, self.bsz)
+        eos_ids, other_criteria = _split_stopping_criteria(stopping_criteria)
+        eos_ids = None if eos_ids is None else eos_ids.to(self.work)
+        pad_id = generation_config._pad_token_tensor
+        self.pad_value = int(pad_id) if pad_id is not None else (int(eos_ids[0]) if eos_ids is not None else 0)
+        self._prepare_target(model_kwargs)
+        self.ret_dict = generation_config.return_dict_in_generate
+        self.want_scores = self.ret_dict and generation_config.output_scores
+        self.want_logits = self.ret_dict and generation_config.output_logits
+        # Row buffer: [left-padded prompt | committed tokens | scratch for draft tokens].
+        width = options.max_length + max(options.width_max, options.depth_max) + 1
+        self.seq = torch.full((self.bsz, width), self.pad_value, dtype=torch.long, device=self.work)
+        self.seq[:, : self.prompt_len] = self.input_ids
+        self.committed = Committer(self.seq, self.prompt_len, options.max_new, eos_ids, other_criteria,
+                                   self.want_scores or self.want_logits, streamer)  # fmt: skip
+        self.streamer = streamer
+        if streamer is not None:
+            if self.bsz > 1:
+                raise ValueError(f"Streamers support batch size 1 (as in transformers); got a batch of {self.bsz}.")
+            streamer.put(self.input_ids.cpu())
+        self.stats = LoopStats(self.work, spec_timing and self.work.type != "cpu", self.bsz)
+        self.rows = torch.arange(self.bsz, device=self.work)
+        self.starts = (self.attention_mask == 0).long().sum(dim=1)  # first real token of each (left-padded) row
+        self.controller = None
+        if options.draft_length == "adaptive":
+            tree_key, k = options.controller_key()
+            self.controller = controller_for(drafter, model, k, tree_key, self.bsz, options.do_sample, self.work)
+        self.plain_steps = 0
+        self.pending: list[DraftInputs] = []  # verified slots of plain steps, not yet shown to the drafter
+        self.step_index = 0
+
+    def _prepare_target(self, model_kwargs: dict) -> None:
+        mask = model_kwargs.get("attention_mask")
+        if mask is None:
+            mask = torch.ones(self.bsz, self.prompt_len, dtype=torch.long, device=self.work)
+        self.attention_mask = mask.to(self.work).long()
+        position_ids = model_kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = (self.attention_mask.cumsum(-1) - 1).clamp_min(0)
+        self.position_ids = position_ids.to(self.work)
+        # Rows may develop holes (rejected slots) only when several rows share a cache.
+        self.use_slot_mask = self.bsz > 1 or bool((self.attention_mask == 0).any())
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        self.cache = DynamicCache(config=self.model.config) if cache is None else cache
+        self.target = TargetPasses(self.model, self.drafter, self.attention_mask, self.position_ids,
+                                   self.use_slot_mask, self.cache, self.in_device)  # fmt: skip
+        self.target.check_window(
+            self.options.max_length, self.options.width_max + 1, tree=self.options.policy is not None
+        )
+
+    @property
+    def done(self) -> bool:
+        return self.committed.done
+
+    # ---------------------------------------------------------------- prefill: one target pass over the prompt
+    def prefill(self) -> None:
+        stats, drafter = self.stats, self.drafter
+        t0 = stats.clock()
+        logits, hidden = self.target.prefill(self.input_ids, self.position_ids, keep_all=drafter.requires_target_logits)
+        stats.timings["prefill_s"] = stats.clock() - t0
+        stats.forwards += 1
+        raw0 = logits[:, -1].to(device=self.work, dtype=torch.float32)
+        scores0 = self.processor(raw0[:, None], self.seq, torch.full_like(self.committed.n_gen, self.prompt_len))[:, 0]
+        if self.options.do_sample:
+            first = torch.multinomial(torch.softmax(scores0, dim=-1), 1).squeeze(-1)
+        else:
+            first = scores0.argmax(dim=-1)
+        self.committed.commit(first[:, None], torch.ones_like(self.committed.n_gen), scores0[:, None], raw0[:, None])
+        self.last_token = first
+        t0 = stats.clock()
+        self.state = drafter.init_draft_state(self.bsz, self.seq.shape[1], **self.options.draft_options)
+        drafter.observe(
+            self.state,
+            DraftInputs(
+                next_token_ids=torch.cat([self.input_ids[:, 1:], first[:, None]], dim=1),
+                position_ids=self.position_ids,
+                valid=self.attention_mask.bool(),
+                hidden_states=hidden,
+                logits=logits.to(self.work) if drafter.requires_target_logits else None,
+            ),
+        )
+        stats.add("draft_s", t0)
+        self.vocab = raw0.shape[-1]
+        self.selector = _DraftSelector(
+            self.processor, self.seq, self.committed.lengths, self.options.do_sample, self.vocab
+        )
+
+    # ---------------------------------------------------------------- one pass: plan, propose, verify, commit, feed back
+    def step(self) -> None:
+        step = self._plan()
+        self._propose(step)
+        t1 = self.stats.add("draft_s", step.t_start)
+        proposal = step.proposal
+        if proposal.is_linear and proposal.num_nodes:
+            lengths = self.committed.lengths
+            cols = lengths[:, None] + torch.arange(proposal.num_nodes, device=self.work)[None]
+            self.seq.scatter_(1, cols, proposal.tokens)
+        drafted = proposal.node_valid().long().sum(1)
+        logits, hidden = self.target.run(self.last_token, proposal)
+        t2 = self.stats.add("target_s", t1)
+        self.stats.forwards += (~self.committed.finished).long()
+        verified, n, committed, finished_before = self._verify_and_commit(step, logits, hidden, drafted)
+        t3 = self.stats.add("verify_s", t2)
+        if self.done:
+            return
+        self._feed_back(step, verified)
+        self.last_token = verified.next_token_ids[self.rows, n]
+        t4 = self.stats.add("draft_s", t3)
+        if step.k > 0:
+            self.stats.timings["drafting_s"] += (t1 - step.t_start - step.catchup_s) + (t4 - t3)
+        if self.controller is not None:
+            self.controller.update(step.k, drafted, committed, ~finished_before, t4 - step.t_start, step.lookup_only,
+                                   step.catchup_s, step.catchup_slots)  # fmt: skip
+        self.step_index += 1
+
+    def _plan(self) -> _Pass:
+        """How many tokens to draft: the adaptive length's choice (0: a plain step), or always ``k_max``."""
+        limit = self.committed.remaining() - 1  # a pass never drafts past the length limit
+        pending_slots = sum(p.next_token_ids.shape[1] for p in self.pending)
+        if self.controller is None:
+            k = min(self.options.k_max, limit)
+        else:
+            k = self.controller.choose(limit, pending_slots)
+        step = _Pass(k=k, limit=limit, t_start=self.stats.clock())
+        if k > 0 and self.pending:  # the drafter catches up on the plain steps it did not see
+            self.drafter.observe(self.state, _merge_inputs(self.pending))
+            self.pending.clear()
+            step.catchup_s, step.catchup_slots = self.stats.clock() - step.t_start, pending_slots
+        return step
+
+    def _propose(self, step: _Pass) -> None:
+        """The pass's proposal: empty (a plain step), a prompt-lookup copy alone, a tree, or a drafted chain (with a
+        prompt-lookup copy merged in where it starts like the chain)."""
+        opts, lengths = self.options, self.committed.lengths
+        if step.k <= 0:
+            step.proposal = Proposal(tokens=self.seq.new_empty(self.bsz, 0))
+            if opts.lookup_tokens and self.controller is not None and step.limit > 0:
+                # Drafting does not pay now; copying might (nothing to draft, only a wider target pass).
+                copy = lookup_proposal(self.seq, self.starts, lengths, min(opts.lookup_tokens, step.limit), self.vocab,
+                                       opts.do_sample, ~self.committed.finished)  # fmt: skip
+                if copy is not None and self.controller.use_lookup():
+                    step.proposal, step.lookup_only = copy, True
+                    self.stats.lookup_passes += 1
+            self.plain_steps += not step.lookup_only
+            return
+        if opts.policy is not None:
+            step.proposal = opts.policy.propose(self.drafter, self.state)
+            self.stats.draft_steps += opts.policy.max_depth
+            _check_proposal(step.proposal, self.bsz, step.k, self.drafter)
+            return
+        self.selector.lengths = lengths
+        proposal = self.drafter.propose(self.state, step.k, self.selector)
+        self.stats.draft_steps += proposal.num_nodes
+        _check_proposal(proposal, self.bsz, step.k, self.drafter)
+        _trim_linear(proposal)
+        if opts.lookup_tokens > step.k and step.limit > step.k:
+            copy_len = min(opts.lookup_tokens, step.limit)
+            proposal, copied = merge_lookup(proposal, self.seq, self.starts, lengths, copy_len)
+            self.stats.lookup_rows += int(copied.sum())
+        step.proposal = proposal
+
+    def _verify_and_commit(self, step: _Pass, logits, hidden, drafted):
+        """Verifies the proposal against the target's processed scores, commits what is accepted (cut at EOS and the
+        length limit), keeps the accepted slots in the target's cache; returns the verified slots as the drafter's
+        next inputs, the accepted draft tokens per row, the tokens committed and which rows had finished before."""
+        proposal, out, stats = step.proposal, self.committed, self.stats
+        lengths = out.lengths
+        raw = logits.to(device=self.work, dtype=torch.float32)
+        if proposal.is_linear:
+            scores = self.processor(raw, self.seq, lengths)
+        else:
+            scores = _tree_scores(self.processor, raw, self.seq, lengths, proposal)
+        result = self.verifier.verify(proposal, scores)
+        n = result.num_accepted.to(self.work)
+        n_max = int(n.max())
+        new_tokens = result.tokens[:, : n_max + 1].to(self.work)
+        keep_cols, path_scores, path_raw, path_hidden = _along_path(proposal, result, n_max, scores, raw, hidden)
+        finished_before = out.finished.clone()
+        committed = out.commit(new_tokens, n + 1, path_scores, path_raw)  # 0 for rows already finished
+        stats.log_verifier(result, committed, finished_before)
+        stats.accept_log.append(committed)
+        stats.draft_log.append(drafted.masked_fill(finished_before, 0))
+        start_pos = self.target.next_pos
+        # Rows that have finished keep no new slot (their later tokens are never used), in either cache.
+        n_live = n.masked_fill(out.finished, -1)
+        self.target.keep(n_live, keep_cols, proposal.num_nodes + 1)
+        offsets = torch.arange(n_max + 1, device=self.work)[None]
+        n_fb = n.masked_fill(finished_before, 0)  # rows that had already finished accepted nothing
+        verified = DraftInputs(
+            next_token_ids=new_tokens,
+            position_ids=start_pos[:, None] + offsets,
+            valid=offsets <= n_live[:, None],
+            hidden_states=path_hidden,
+            logits=path_raw,
+            # A plain step (K = 0) verified no proposal of the drafter's, so it has no feedback.
+            feedback=None
+            if step.k <= 0
+            else VerificationFeedback(
+                proposal=proposal, num_accepted=n_fb, accepted_nodes=_accepted_nodes(n_fb, n_max, keep_cols),
+                step=self.step_index,
+            ),
+        )  # fmt: skip
+        return verified, n, committed, finished_before
+
+    def _feed_back(self, step: _Pass, verified: DraftInputs) -> None:
+        """The drafter observes the verified slots now, or, after a plain step of a drafter that observes in
+        batches, when it drafts again (at least every ``_MAX_PENDING_SLOTS`` slots)."""
+        if step.k <= 0 and self.controller is not None and self.drafter.observe_in_batches:
+            self.pending.append(verified)
+            if sum(p.next_token_ids.shape[1] for p in self.pending) >= _MAX_PENDING_SLOTS:
+                self.drafter.observe(self.state, _merge_inputs(self.pending))
+                self.pending.clear()
+        else:
+            self.drafter.observe(self.state, _merge_inputs(self.pending + [verified]) if self.pending else verified)
+            self.pending.clear()
+
+    # ---------------------------------------------------------------- the result
+    def output(self):
+        if self.streamer is not None:
+            self.streamer.end()
+        stats = self.stats
+        stats.finish()
+        stats.timings.update(
+            plain_steps=self.plain_steps, lookup_rows=stats.lookup_rows, lookup_passes=stats.lookup_passes,
+            cache_compactions=self.target.compactions, cache_length=int(self.cache.get_seq_length()),
+        )  # fmt: skip
+        out_seq = self.committed.sequences(self.pad_value).to(self.in_device)
+        if not self.ret_dict:
+            return out_seq
+        accepted_lengths, draft_lengths = stats.per_row()
+        return SpeculativeDecoderOnlyOutput(
+            sequences=out_seq,
+            scores=self.committed.assemble(2) if self.want_scores else None,
+            logits=self.committed.assemble(3) if self.want_logits else None,
+            # A batched run's cache holds masked slots of rejected tokens, so it is only returned for batch size 1.
+            cache=self.cache if not self.use_slot_mask else None,
+            accepted_lengths=accepted_lengths,
+            draft_lengths=draft_lengths,
+            timings=stats.timings,
+            num_target_forwards=stats.forwards.to(self.in_device),
+            num_draft_tokens=self.options.k_max,
+            verifier=self.verifier.name,
+            approximate=self.verifier.approximate,
+            verifier_stats=stats.verifier_totals(),
+        )
+
+
 @_holding_the_drafter
+@torch.no_grad()
 def speculative_generate(
     model,
     input_ids: torch.LongTensor,
@@ -595,265 +966,18 @@ def speculative_generate(
     """
     if generation_config is None:
         generation_config = model.generation_config
-    streamer = spec_streamer if spec_streamer is not None else streamer
     _validate(model, drafter, generation_config, input_ids, model_kwargs)
     if synced_gpus:
         raise ValueError("synced_gpus (DeepSpeed ZeRO-3 / FSDP generation) is not supported by hf_specdec yet.")
-
-    bsz, prompt_len = input_ids.shape
-    max_length, max_new = _generation_room(generation_config, prompt_len)
-    k_max = int(num_draft_tokens if num_draft_tokens is not None else drafter.config.num_draft_tokens)
-    if k_max < 1:
-        raise ValueError(f"num_draft_tokens / num_assistant_tokens must be >= 1, got {k_max}.")
-    k_max = min(k_max, max_new)  # no pass commits more tokens than are left
-    do_sample = bool(generation_config.do_sample)
-    verifier, verifier_options, draft_options = _resolve_options(
-        generation_config, verifier, verifier_options, draft_options, drafter
-    )
-    ver = get_verifier(verifier, do_sample, **verifier_options)
-    if draft_length is None:
-        draft_length = getattr(generation_config, "draft_length", None) or "adaptive"
-    if draft_length not in DRAFT_LENGTH_MODES:
-        raise ValueError(f"draft_length must be one of {DRAFT_LENGTH_MODES}, got {draft_length!r}.")
-    tree_kwargs = {k: draft_options.pop(k) for k in TREE_OPTIONS if k in draft_options}
-    policy = _tree_policy_for(drafter, tree_kwargs)
-    if lookup_tokens is None:
-        lookup_tokens = getattr(generation_config, "lookup_tokens", None)
-    lookup_tokens = 10 if lookup_tokens is None else int(lookup_tokens)
-    if lookup_tokens < 0:
-        raise ValueError(f"lookup_tokens must be >= 0 (0 turns prompt lookup off), got {lookup_tokens}.")
-    lookup_tokens = min(lookup_tokens, max_new)
-    cap = drafter.max_draft_depth  # e.g. a head family drafts at most one token per head
-    if cap is not None:
-        depth = policy.max_depth if policy is not None else k_max
-        if depth > cap:
-            what = f"a tree of depth {depth}" if policy is not None else f"{k_max} draft tokens per pass"
-            raise ValueError(
-                f"{type(drafter).__name__} drafts at most {cap} tokens ahead (config.{drafter.max_draft_depth_source}"
-                f"), so it cannot propose {what}; ask for at most {cap} (num_assistant_tokens, tree_depth or a "
-                "shallower tree)."
-            )
-    if policy is not None:
-        lookup_tokens = 0  # trees: the copy would be a branch; merged into chains only for now
-    width_max = policy.max_nodes if policy is not None else max(k_max, lookup_tokens)  # most draft nodes in a pass
-    depth_max = policy.max_depth if policy is not None else width_max  # most tokens one pass can accept
-
-    work = drafter.device  # = device of the target's LM head
-    in_device = input_ids.device
-    input_ids = input_ids.to(work)
-    ver.start(bsz, work, do_sample)  # sampling draws from the global RNG, as plain generate does
-
-    processor = ScoreProcessor(logits_processor, bsz)
-    eos_ids, other_criteria = _split_stopping_criteria(stopping_criteria)
-    if eos_ids is not None:
-        eos_ids = eos_ids.to(work)
-    pad_id = generation_config._pad_token_tensor
-    pad_value = int(pad_id) if pad_id is not None else (int(eos_ids[0]) if eos_ids is not None else 0)
-
-    attention_mask = model_kwargs.get("attention_mask")
-    if attention_mask is None:
-        attention_mask = torch.ones(bsz, prompt_len, dtype=torch.long, device=work)
-    attention_mask = attention_mask.to(work).long()
-    position_ids = model_kwargs.get("position_ids")
-    if position_ids is None:
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-    position_ids = position_ids.to(work)
-    # Rows may develop holes (rejected slots) only when several rows share a cache.
-    use_slot_mask = bsz > 1 or bool((attention_mask == 0).any())
-    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if cache is None:
-        cache = DynamicCache(config=model.config)
-
-    target = TargetPasses(model, drafter, attention_mask, position_ids, use_slot_mask, cache, in_device)
-    target.check_window(max_length, width_max + 1, tree=policy is not None)
-    ret_dict = generation_config.return_dict_in_generate
-    want_scores = ret_dict and generation_config.output_scores
-    want_logits = ret_dict and generation_config.output_logits
-
-    # Row buffer: [left-padded prompt | committed tokens | scratch for draft tokens].
-    seq = torch.full((bsz, max_length + max(width_max, depth_max) + 1), pad_value, dtype=torch.long, device=work)
-    seq[:, :prompt_len] = input_ids
-    out = Committer(seq, prompt_len, max_new, eos_ids, other_criteria, want_scores or want_logits, streamer)
-    if streamer is not None:
-        if bsz > 1:
-            raise ValueError(f"Streamers support batch size 1 (as in transformers); got a batch of {bsz}.")
-        streamer.put(input_ids.cpu())
-    stats = LoopStats(work, spec_timing and work.type != "cpu", bsz)
-    rows = torch.arange(bsz, device=work)
-    starts = (attention_mask == 0).long().sum(dim=1)  # first real token of each (left-padded) row
-    ctrl = None
-    if draft_length == "adaptive":
-        tree_key = tuple(sorted((k, repr(v)) for k, v in tree_kwargs.items())) if policy is not None else None
-        ctrl = controller_for(
-            drafter, model, width_max if policy is not None else k_max, tree_key, bsz, do_sample, work
-        )
-    plain_steps = 0
-    pending: list[DraftInputs] = []  # verified slots of plain steps, not yet shown to the drafter
-
-    # ---------------------------------------------------------------- prefill: one target pass over the prompt
-    t0 = stats.clock()
-    logits, hidden = target.prefill(input_ids, position_ids, keep_all=drafter.requires_target_logits)
-    t1 = stats.clock()
-    stats.timings["prefill_s"] = t1 - t0
-    stats.forwards += 1
-    raw0 = logits[:, -1].to(device=work, dtype=torch.float32)
-    scores0 = processor(raw0[:, None], seq, torch.full_like(out.n_gen, prompt_len))[:, 0]
-    if do_sample:
-        first = torch.multinomial(torch.softmax(scores0, dim=-1), 1).squeeze(-1)
-    else:
-        first = scores0.argmax(dim=-1)
-    out.commit(first[:, None], torch.ones_like(out.n_gen), scores0[:, None], raw0[:, None])
-    last_token = first
-
-    t0 = stats.clock()
-    state = drafter.init_draft_state(bsz, seq.shape[1], **draft_options)
-    drafter.observe(
-        state,
-        DraftInputs(
-            next_token_ids=torch.cat([input_ids[:, 1:], first[:, None]], dim=1),
-            position_ids=position_ids,
-            valid=attention_mask.bool(),
-            hidden_states=hidden,
-            logits=logits.to(work) if drafter.requires_target_logits else None,
-        ),
-    )
-    del hidden, logits
-    stats.add("draft_s", t0)
-    vocab = raw0.shape[-1]
-    selector = _DraftSelector(processor, seq, out.lengths, do_sample, vocab)
-
-    # ---------------------------------------------------------------- decoding steps
-    step = 0
-    while not out.done:
-        active = ~out.finished
-        lengths = out.lengths
-        limit = out.remaining() - 1  # a pass never drafts past the length limit
-        pending_slots = sum(p.next_token_ids.shape[1] for p in pending)
-        k = min(k_max, limit) if ctrl is None else ctrl.choose(limit, pending_slots)
-        t0 = stats.clock()
-        catchup_s, catchup_slots = 0.0, 0
-        if k > 0 and pending:
-            drafter.observe(state, _merge_inputs(pending))
-            pending.clear()
-            catchup_s, catchup_slots = stats.clock() - t0, pending_slots
-        lookup_pass = False
-        if k <= 0:
-            proposal = Proposal(tokens=seq.new_empty(bsz, 0))
-            if lookup_tokens and policy is None and ctrl is not None and limit > 0:
-                # Drafting does not pay now; copying might (nothing to draft, only a wider target pass).
-                copy = lookup_proposal(seq, starts, lengths, min(lookup_tokens, limit), vocab, do_sample, active)
-                if copy is not None and ctrl.use_lookup():
-                    proposal, lookup_pass = copy, True
-                    stats.lookup_passes += 1
-            plain_steps += not lookup_pass
-        elif policy is not None:
-            proposal = policy.propose(drafter, state)
-            stats.draft_steps += policy.max_depth
-        else:
-            selector.lengths = lengths
-            proposal = drafter.propose(state, k, selector)
-            stats.draft_steps += proposal.num_nodes
-            _check_proposal(proposal, bsz, k, drafter)
-            _trim_linear(proposal)
-            if lookup_tokens > k and limit > k:
-                proposal, copied = merge_lookup(proposal, seq, starts, lengths, min(lookup_tokens, limit))
-                stats.lookup_rows += int(copied.sum())
-        if policy is not None or (k <= 0 and not lookup_pass):
-            _check_proposal(proposal, bsz, max(k, 0), drafter)
-        width = proposal.num_nodes + 1
-        if proposal.is_linear and proposal.num_nodes:
-            seq.scatter_(1, lengths[:, None] + torch.arange(proposal.num_nodes, device=work)[None], proposal.tokens)
-        drafted = proposal.node_valid().long().sum(1)
-        t1 = stats.add("draft_s", t0)
-
-        logits, hidden = target.run(last_token, proposal)
-        t2 = stats.add("target_s", t1)
-        stats.forwards += active.long()
-        raw = logits.to(device=work, dtype=torch.float32)
-        if proposal.is_linear:
-            scores = processor(raw, seq, lengths)
-        else:
-            scores = _tree_scores(processor, raw, seq, lengths, proposal)
-        result = ver.verify(proposal, scores)
-        n = result.num_accepted.to(work)
-        n_max = int(n.max())
-        new_tokens = result.tokens[:, : n_max + 1].to(work)
-        keep_cols, path_scores, path_raw, path_hidden = _along_path(proposal, result, n_max, scores, raw, hidden)
-        finished_before = out.finished.clone()
-        committed = out.commit(new_tokens, n + 1, path_scores, path_raw)  # 0 for rows already finished
-        stats.log_verifier(result, committed, finished_before)
-        stats.accept_log.append(committed)
-        stats.draft_log.append(drafted.masked_fill(finished_before, 0))
-        start_pos = target.next_pos
-        # Rows that have finished keep no new slot (their later tokens are never used), in either cache.
-        n_live = n.masked_fill(out.finished, -1)
-        target.keep(n_live, keep_cols, width)
-        t3 = stats.add("verify_s", t2)
-
-        if out.done:
-            break
-        offsets = torch.arange(n_max + 1, device=work)[None]
-        n_fb = n.masked_fill(finished_before, 0)  # rows that had already finished accepted nothing
-        verified = DraftInputs(
-            next_token_ids=new_tokens,
-            position_ids=start_pos[:, None] + offsets,
-            valid=offsets <= n_live[:, None],
-            hidden_states=path_hidden,
-            logits=path_raw,
-            # A plain step (K = 0) verified no proposal of the drafter's, so it has no feedback.
-            feedback=None
-            if k <= 0
-            else VerificationFeedback(
-                proposal=proposal,
-                num_accepted=n_fb,
-                accepted_nodes=_accepted_nodes(n_fb, n_max, keep_cols),
-                step=step,
-            ),
-        )
-        if k <= 0 and ctrl is not None and drafter.observe_in_batches:
-            pending.append(verified)  # a plain step: the drafter catches up when it drafts again
-            if sum(p.next_token_ids.shape[1] for p in pending) >= _MAX_PENDING_SLOTS:
-                drafter.observe(state, _merge_inputs(pending))
-                pending.clear()
-        else:
-            drafter.observe(state, _merge_inputs(pending + [verified]) if pending else verified)
-            pending.clear()
-        last_token = new_tokens[rows, n]
-        del hidden, logits
-        t4 = stats.add("draft_s", t3)
-        if k > 0:
-            stats.timings["drafting_s"] += (t1 - t0 - catchup_s) + (t4 - t3)
-        if ctrl is not None:
-            ctrl.update(k, drafted, committed, ~finished_before, t4 - t0, lookup_pass, catchup_s, catchup_slots)
-        step += 1
-
-    if streamer is not None:
-        streamer.end()
-    stats.finish()
-    stats.timings["plain_steps"] = plain_steps
-    stats.timings["lookup_rows"] = stats.lookup_rows
-    stats.timings["lookup_passes"] = stats.lookup_passes
-    stats.timings["cache_compactions"] = target.compactions
-    stats.timings["cache_length"] = int(cache.get_seq_length())
-    out_seq = out.sequences(pad_value).to(in_device)
-    if not ret_dict:
-        return out_seq
-    accepted_lengths, draft_lengths = stats.per_row()
-    return SpeculativeDecoderOnlyOutput(
-        sequences=out_seq,
-        scores=out.assemble(2) if want_scores else None,
-        logits=out.assemble(3) if want_logits else None,
-        # A batched run's cache holds masked slots of rejected tokens, so it is only returned for batch size 1.
-        cache=cache if not use_slot_mask else None,
-        accepted_lengths=accepted_lengths,
-        draft_lengths=draft_lengths,
-        timings=stats.timings,
-        num_target_forwards=stats.forwards.to(in_device),
-        num_draft_tokens=k_max,
-        verifier=ver.name,
-        approximate=ver.approximate,
-        verifier_stats=stats.verifier_totals(),
-    )
+    options = DecodingOptions.resolve(drafter, generation_config, input_ids.shape[1], num_draft_tokens, verifier,
+                                      verifier_options, draft_options, draft_length, lookup_tokens)  # fmt: skip
+    decoder = SpeculativeDecoder(model, drafter, input_ids, options, generation_config, logits_processor,
+                                 stopping_criteria, spec_streamer if spec_streamer is not None else streamer,
+                                 spec_timing, model_kwargs)  # fmt: skip
+    decoder.prefill()
+    while not decoder.done:
+        decoder.step()
+    return decoder.output()
 
 
 _MAX_PENDING_SLOTS = 64  # a drafter catches up at least this often during a run of plain steps
