@@ -452,115 +452,31 @@ def dump_features(
     log = log or (lambda _msg: None)
     dtype = _resolve_dtype(dtype)
     layer_ids = [int(i) for i in layer_ids]
-    if not layer_ids:
-        raise ValueError("layer_ids must name at least one target hidden state.")
     if batch_size < 1 or shard_tokens < 1:
         raise ValueError("batch_size and shard_tokens must be positive.")
-    text_config = get_text_config(target.config)
-    num_hidden_layers = getattr(text_config, "num_hidden_layers", None)
-    if num_hidden_layers is not None:
-        bad = [i for i in layer_ids if not 0 <= i <= num_hidden_layers]
-        if bad:
-            raise ValueError(
-                f"layer_ids {bad} are out of range: ids index output_hidden_states (0..{num_hidden_layers})."
-            )
-    hidden_size = int(text_config.hidden_size)
+    text_config, hidden_size = _check_layer_ids(target, layer_ids)
     output_dir = os.fspath(output_dir)
-
     normalized = [_normalize_example(ex, i) for i, ex in enumerate(examples)]
     lengths = [len(ids) for ids, _ in normalized]
-    total_tokens = sum(lengths)
-    num_examples = len(normalized)
-
-    metadata = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "layer_ids": layer_ids,
-        "dtype": _dtype_name(dtype),
-        "hidden_size": hidden_size,
-        "num_layers": len(layer_ids),
-        "target_name_or_path": getattr(target.config, "_name_or_path", None) or None,
-        "target_model_type": getattr(text_config, "model_type", None) or getattr(target.config, "model_type", None),
-        "num_examples": num_examples,
-        "total_tokens": total_tokens,
-        "target_fingerprint": target_fingerprint(target, tokenizer),
-    }
-
+    metadata = _dump_metadata(target, text_config, tokenizer, layer_ids, dtype, hidden_size, lengths)
     os.makedirs(output_dir, exist_ok=True)
     index_path = os.path.join(output_dir, INDEX_NAME)
-    for name in os.listdir(output_dir):  # leftovers of interrupted writes
-        if (name.startswith(".features-") or name.startswith(f"{INDEX_NAME}.tmp-")) and ".tmp-" in name:
-            os.remove(os.path.join(output_dir, name))
-
-    completed: list[dict] = []
-    if os.path.exists(index_path):
-        try:
-            with open(index_path, encoding="utf-8") as f:
-                old = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            if resume:
-                raise ValueError(f"Cannot resume: {index_path} is unreadable ({e}). Use resume=False.") from e
-            old = {}
-        if resume:
-            _check_resumable(old, metadata, output_dir)
-            for shard in old.get("shards", []):
-                path = os.path.join(output_dir, shard["file"])
-                if os.path.exists(path) and _shard_readable(path):
-                    completed.append(shard)
-                else:
-                    log(f"Shard {shard['file']} is missing or unreadable; its examples will be recomputed.")
-        else:
-            for shard in old.get("shards", []):
-                path = os.path.join(output_dir, str(shard.get("file", "")))
-                if os.path.isfile(path):
-                    os.remove(path)
-            os.remove(index_path)
-
+    _remove_interrupted_writes(output_dir)
+    completed = _completed_shards(output_dir, index_path, metadata, resume, log)
     done = {int(i) for shard in completed for i in shard["example_ids"]}
-    todo = [i for i in range(num_examples) if i not in done]
-    todo_tokens = sum(lengths[i] for i in todo)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    estimate = estimate_feature_bytes(total_tokens, hidden_size, len(layer_ids), dtype)
-    log(
-        f"Offline features: {num_examples} examples, {total_tokens} tokens, {len(layer_ids)} layers + last hidden "
-        f"x {hidden_size} x {_dtype_name(dtype)} ({itemsize} B): estimated disk size {_format_bytes(estimate)}."
-    )
-    if done:
-        log(
-            f"Resuming: {len(done)} examples in {len(completed)} completed shards; "
-            f"{len(todo)} examples ({_format_bytes(estimate_feature_bytes(todo_tokens, hidden_size, len(layer_ids), dtype))}) "
-            "left."
-        )
-
-    def write_index() -> dict:
-        shards = sorted(completed, key=lambda s: s["file"])
-        stored = sum(int(s["num_tokens"]) for s in shards)
-        index = dict(metadata)
-        index["complete"] = sum(len(s["example_ids"]) for s in shards) == num_examples
-        index["stored_examples"] = sum(len(s["example_ids"]) for s in shards)
-        index["stored_tokens"] = stored
-        index["shards"] = shards
-        _atomic_write_json(index_path, index)
-        return index
-
-    index = write_index()
+    todo = [i for i in range(len(normalized)) if i not in done]
+    _log_plan(log, metadata, dtype, completed, done, todo, lengths)
+    index = _write_index(index_path, metadata, completed)
     if not todo:
         return index
-
     used = {s["file"] for s in completed}
-    next_number = 0
-    for name in used:
-        try:
-            next_number = max(next_number, int(name.removeprefix("features-").split(".")[0]) + 1)
-        except ValueError:
-            pass
-
+    total_tokens = metadata["total_tokens"]
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=total_tokens, initial=total_tokens - todo_tokens, unit="tok", desc="target features")
-
+        initial = total_tokens - sum(lengths[i] for i in todo)
+        bar = tqdm(total=total_tokens, initial=initial, unit="tok", desc="target features")
     pad_id = getattr(text_config, "pad_token_id", None)
     pad_id = 0 if pad_id is None or isinstance(pad_id, (list, tuple)) else int(pad_id)
     try:
@@ -568,43 +484,17 @@ def dump_features(
     except StopIteration:
         device = torch.device("cpu")
     shard_meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "layer_ids": json.dumps(layer_ids)}
-
     try:
         for shard_ids in _plan_shards(todo, lengths, shard_tokens):
             # Within a shard, examples of similar length share a batch (less padding); ids keep them apart.
             shard_ids = sorted(shard_ids, key=lambda i: lengths[i])
-            while _SHARD_PATTERN.format(next_number) in used:
-                next_number += 1
-            file_name = _SHARD_PATTERN.format(next_number)
-            next_number += 1
-            specs = []
-            for i in shard_ids:
-                n = lengths[i]
-                specs += [
-                    (f"{i}.input_ids", torch.int32, (n,)),
-                    (f"{i}.loss_mask", torch.uint8, (n,)),
-                    (f"{i}.layers", dtype, (len(layer_ids), n, hidden_size)),
-                    (f"{i}.last_hidden", dtype, (n, hidden_size)),
-                ]
+            file_name = _next_shard_name(used)
+            specs = _shard_specs(shard_ids, lengths, layer_ids, dtype, hidden_size)
             writer = _ShardWriter(os.path.join(output_dir, file_name), specs, shard_meta)
             try:
                 for start in range(0, len(shard_ids), batch_size):
                     batch = shard_ids[start : start + batch_size]
-                    max_len = max(lengths[i] for i in batch)
-                    input_ids = torch.full((len(batch), max_len), pad_id, dtype=torch.long)
-                    attention_mask = torch.zeros((len(batch), max_len), dtype=torch.long)
-                    for row, i in enumerate(batch):
-                        input_ids[row, : lengths[i]] = torch.tensor(normalized[i][0], dtype=torch.long)
-                        attention_mask[row, : lengths[i]] = 1
-                    feats = capture_target_features(target, input_ids.to(device), attention_mask.to(device), layer_ids)
-                    for row, i in enumerate(batch):
-                        n = lengths[i]
-                        ids, mask = normalized[i]
-                        writer.write(f"{i}.input_ids", torch.tensor(ids, dtype=torch.int32))
-                        writer.write(f"{i}.loss_mask", torch.tensor(mask, dtype=torch.uint8))
-                        layers = torch.stack([h[row, :n] for h in feats.hidden_states]).to(dtype)
-                        writer.write(f"{i}.layers", layers)
-                        writer.write(f"{i}.last_hidden", feats.last_hidden[row, :n].to(dtype))
+                    _write_batch(writer, target, batch, normalized, lengths, layer_ids, dtype, pad_id, device)
                     if bar is not None:
                         bar.update(sum(lengths[i] for i in batch))
                 writer.commit()
@@ -615,13 +505,153 @@ def dump_features(
                 {"file": file_name, "example_ids": sorted(shard_ids), "num_tokens": sum(lengths[i] for i in shard_ids)}
             )
             used.add(file_name)
-            index = write_index()
+            index = _write_index(index_path, metadata, completed)
     finally:
         if bar is not None:
             bar.close()
     on_disk = sum(os.path.getsize(os.path.join(output_dir, s["file"])) for s in index["shards"])
     log(f"Offline features written to {output_dir}: {len(index['shards'])} shards, {_format_bytes(on_disk)}.")
     return index
+
+
+def _check_layer_ids(target, layer_ids: list[int]):
+    """``(text config, hidden size)`` of the target, after checking that ``layer_ids`` index its hidden states."""
+    if not layer_ids:
+        raise ValueError("layer_ids must name at least one target hidden state.")
+    text_config = get_text_config(target.config)
+    num_hidden_layers = getattr(text_config, "num_hidden_layers", None)
+    if num_hidden_layers is not None:
+        bad = [i for i in layer_ids if not 0 <= i <= num_hidden_layers]
+        if bad:
+            raise ValueError(
+                f"layer_ids {bad} are out of range: ids index output_hidden_states (0..{num_hidden_layers})."
+            )
+    return text_config, int(text_config.hidden_size)
+
+
+def _dump_metadata(target, text_config, tokenizer, layer_ids, dtype, hidden_size, lengths) -> dict:
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "layer_ids": layer_ids,
+        "dtype": _dtype_name(dtype),
+        "hidden_size": hidden_size,
+        "num_layers": len(layer_ids),
+        "target_name_or_path": getattr(target.config, "_name_or_path", None) or None,
+        "target_model_type": getattr(text_config, "model_type", None) or getattr(target.config, "model_type", None),
+        "num_examples": len(lengths),
+        "total_tokens": sum(lengths),
+        "target_fingerprint": target_fingerprint(target, tokenizer),
+    }
+
+
+def _remove_interrupted_writes(output_dir: str) -> None:
+    for name in os.listdir(output_dir):
+        if (name.startswith(".features-") or name.startswith(f"{INDEX_NAME}.tmp-")) and ".tmp-" in name:
+            os.remove(os.path.join(output_dir, name))
+
+
+def _completed_shards(output_dir: str, index_path: str, metadata: dict, resume: bool, log) -> list[dict]:
+    """The shards of an earlier dump to keep (``resume``: those that are complete and readable, after checking the
+    dump was made the same way); without ``resume`` an earlier dump is removed."""
+    if not os.path.exists(index_path):
+        return []
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            old = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        if resume:
+            raise ValueError(f"Cannot resume: {index_path} is unreadable ({e}). Use resume=False.") from e
+        old = {}
+    if not resume:
+        for shard in old.get("shards", []):
+            path = os.path.join(output_dir, str(shard.get("file", "")))
+            if os.path.isfile(path):
+                os.remove(path)
+        os.remove(index_path)
+        return []
+    _check_resumable(old, metadata, output_dir)
+    completed = []
+    for shard in old.get("shards", []):
+        path = os.path.join(output_dir, shard["file"])
+        if os.path.exists(path) and _shard_readable(path):
+            completed.append(shard)
+        else:
+            log(f"Shard {shard['file']} is missing or unreadable; its examples will be recomputed.")
+    return completed
+
+
+def _log_plan(log, metadata: dict, dtype, completed, done, todo, lengths) -> None:
+    hidden_size, layers = metadata["hidden_size"], metadata["num_layers"]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    estimate = estimate_feature_bytes(metadata["total_tokens"], hidden_size, layers, dtype)
+    log(
+        f"Offline features: {metadata['num_examples']} examples, {metadata['total_tokens']} tokens, {layers} layers "
+        f"+ last hidden x {hidden_size} x {_dtype_name(dtype)} ({itemsize} B): estimated disk size "
+        f"{_format_bytes(estimate)}."
+    )
+    if done:
+        left = estimate_feature_bytes(sum(lengths[i] for i in todo), hidden_size, layers, dtype)
+        log(
+            f"Resuming: {len(done)} examples in {len(completed)} completed shards; {len(todo)} examples "
+            f"({_format_bytes(left)}) left."
+        )
+
+
+def _write_index(index_path: str, metadata: dict, completed: list[dict]) -> dict:
+    shards = sorted(completed, key=lambda s: s["file"])
+    stored = sum(len(s["example_ids"]) for s in shards)
+    index = dict(metadata)
+    index["complete"] = stored == metadata["num_examples"]
+    index["stored_examples"] = stored
+    index["stored_tokens"] = sum(int(s["num_tokens"]) for s in shards)
+    index["shards"] = shards
+    _atomic_write_json(index_path, index)
+    return index
+
+
+def _next_shard_name(used: set[str]) -> str:
+    """The first ``features-NNNNN`` name after every used one's number that no shard uses."""
+    number = 0
+    for name in used:
+        try:
+            number = max(number, int(name.removeprefix("features-").split(".")[0]) + 1)
+        except ValueError:
+            pass
+    while _SHARD_PATTERN.format(number) in used:
+        number += 1
+    return _SHARD_PATTERN.format(number)
+
+
+def _shard_specs(shard_ids, lengths, layer_ids, dtype, hidden_size) -> list[tuple]:
+    specs = []
+    for i in shard_ids:
+        n = lengths[i]
+        specs += [
+            (f"{i}.input_ids", torch.int32, (n,)),
+            (f"{i}.loss_mask", torch.uint8, (n,)),
+            (f"{i}.layers", dtype, (len(layer_ids), n, hidden_size)),
+            (f"{i}.last_hidden", dtype, (n, hidden_size)),
+        ]
+    return specs
+
+
+def _write_batch(writer, target, batch, normalized, lengths, layer_ids, dtype, pad_id, device) -> None:
+    """One right-padded target pass over ``batch``; each example's features, without the padding, into the shard."""
+    max_len = max(lengths[i] for i in batch)
+    input_ids = torch.full((len(batch), max_len), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(batch), max_len), dtype=torch.long)
+    for row, i in enumerate(batch):
+        input_ids[row, : lengths[i]] = torch.tensor(normalized[i][0], dtype=torch.long)
+        attention_mask[row, : lengths[i]] = 1
+    feats = capture_target_features(target, input_ids.to(device), attention_mask.to(device), layer_ids)
+    for row, i in enumerate(batch):
+        n = lengths[i]
+        ids, mask = normalized[i]
+        writer.write(f"{i}.input_ids", torch.tensor(ids, dtype=torch.int32))
+        writer.write(f"{i}.loss_mask", torch.tensor(mask, dtype=torch.uint8))
+        writer.write(f"{i}.layers", torch.stack([h[row, :n] for h in feats.hidden_states]).to(dtype))
+        writer.write(f"{i}.last_hidden", feats.last_hidden[row, :n].to(dtype))
 
 
 class OfflineFeatureDataset(torch.utils.data.Dataset):
