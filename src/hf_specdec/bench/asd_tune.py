@@ -90,40 +90,9 @@ def tune_asd(
         scorer=scorer,
     )
     by_name = {r["method"]: r for r in report["records"] if r["category"] == "all"}
-    base = by_name["plain"]
-    rows = []
-    for name, options in candidates.items():
-        rec = by_name[name]
-        drop = None
-        if rec["target_logprob"] is not None and base["target_logprob"] is not None:
-            drop = base["target_logprob"] - rec["target_logprob"]
-        ok = drop is not None and drop <= max_logprob_drop
-        if max_divergence is not None:
-            ok = ok and rec["divergence_rate"] is not None and rec["divergence_rate"] <= max_divergence
-        accuracy_drop = None
-        if scorer is not None:
-            accuracy_drop = by_name["strict"]["task_accuracy"] - rec["task_accuracy"]
-            if max_accuracy_drop is not None:
-                ok = ok and accuracy_drop <= max_accuracy_drop + 1e-12
-        rows.append(
-            {
-                "name": name,
-                **{f"asd_{k}": v for k, v in options.items()},
-                "mean_accepted_length": rec["mean_accepted_length"],
-                "speedup": rec["speedup"],
-                "speedup_over_strict": (
-                    round(rec["tokens_per_s"] / by_name["strict"]["tokens_per_s"], 4)
-                    if rec["tokens_per_s"] and by_name["strict"]["tokens_per_s"]
-                    else None
-                ),
-                "divergence_rate": rec["divergence_rate"],
-                "logprob_drop": None if drop is None else round(drop, 5),
-                "task_accuracy": rec.get("task_accuracy"),
-                "accuracy_drop": None if accuracy_drop is None else round(accuracy_drop, 5),
-                "length_cap_hits": rec.get("length_cap_hits"),
-                "meets_constraint": ok,
-            }
-        )
+    limits = {"max_logprob_drop": max_logprob_drop, "max_divergence": max_divergence,
+              "max_accuracy_drop": max_accuracy_drop if scorer is not None else None}  # fmt: skip
+    rows = [_candidate_row(name, options, by_name, scorer is not None, limits) for name, options in candidates.items()]
     feasible = [r for r in rows if r["meets_constraint"]]
     best = max(feasible, key=lambda r: (r["mean_accepted_length"], -r["logprob_drop"])) if feasible else None
     recommended = None
@@ -144,4 +113,35 @@ def tune_asd(
         "candidates": rows,
         "num_dev_prompts": len(dev_prompts),
         "report": report,
+    }
+
+
+def _candidate_row(name: str, options: dict, by_name: dict, scored: bool, limits: dict) -> dict:
+    """One ASD setting's figures against plain (log-likelihood drop) and strict (speed, task accuracy), and whether
+    it meets every given limit."""
+    rec, base, strict = by_name[name], by_name["plain"], by_name["strict"]
+    drop = None
+    if rec["target_logprob"] is not None and base["target_logprob"] is not None:
+        drop = base["target_logprob"] - rec["target_logprob"]
+    ok = drop is not None and drop <= limits["max_logprob_drop"]
+    if limits["max_divergence"] is not None:
+        ok = ok and rec["divergence_rate"] is not None and rec["divergence_rate"] <= limits["max_divergence"]
+    accuracy_drop = strict["task_accuracy"] - rec["task_accuracy"] if scored else None
+    if accuracy_drop is not None and limits["max_accuracy_drop"] is not None:
+        ok = ok and accuracy_drop <= limits["max_accuracy_drop"] + 1e-12
+    over_strict = None
+    if rec["tokens_per_s"] and strict["tokens_per_s"]:
+        over_strict = round(rec["tokens_per_s"] / strict["tokens_per_s"], 4)
+    return {
+        "name": name,
+        **{f"asd_{k}": v for k, v in options.items()},
+        "mean_accepted_length": rec["mean_accepted_length"],
+        "speedup": rec["speedup"],
+        "speedup_over_strict": over_strict,
+        "divergence_rate": rec["divergence_rate"],
+        "logprob_drop": None if drop is None else round(drop, 5),
+        "task_accuracy": rec.get("task_accuracy"),
+        "accuracy_drop": None if accuracy_drop is None else round(accuracy_drop, 5),
+        "length_cap_hits": rec.get("length_cap_hits"),
+        "meets_constraint": ok,
     }

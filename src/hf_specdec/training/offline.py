@@ -471,18 +471,8 @@ def dump_features(
         return index
     used = {s["file"] for s in completed}
     total_tokens = metadata["total_tokens"]
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        initial = total_tokens - sum(lengths[i] for i in todo)
-        bar = tqdm(total=total_tokens, initial=initial, unit="tok", desc="target features")
-    pad_id = getattr(text_config, "pad_token_id", None)
-    pad_id = 0 if pad_id is None or isinstance(pad_id, (list, tuple)) else int(pad_id)
-    try:
-        device = next(target.parameters()).device
-    except StopIteration:
-        device = torch.device("cpu")
+    bar = _token_bar(total_tokens, total_tokens - sum(lengths[i] for i in todo)) if progress else None
+    pad_id, device = _pad_id_and_device(target, text_config)
     shard_meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "layer_ids": json.dumps(layer_ids)}
     try:
         for shard_ids in _plan_shards(todo, lengths, shard_tokens):
@@ -512,6 +502,21 @@ def dump_features(
     on_disk = sum(os.path.getsize(os.path.join(output_dir, s["file"])) for s in index["shards"])
     log(f"Offline features written to {output_dir}: {len(index['shards'])} shards, {_format_bytes(on_disk)}.")
     return index
+
+
+def _token_bar(total: int, initial: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, unit="tok", desc="target features")
+
+
+def _pad_id_and_device(target, text_config):
+    pad_id = getattr(text_config, "pad_token_id", None)
+    pad_id = 0 if pad_id is None or isinstance(pad_id, (list, tuple)) else int(pad_id)
+    try:
+        return pad_id, next(target.parameters()).device
+    except StopIteration:
+        return pad_id, torch.device("cpu")
 
 
 def _check_layer_ids(target, layer_ids: list[int]):

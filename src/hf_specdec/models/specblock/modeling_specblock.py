@@ -585,6 +585,12 @@ class SpecBlockForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
             )
             leaf_value = best_value
             leaf_node = node.reshape(1, -1).expand(bsz, -1).gather(1, best)
+        return self._best_nodes(pool_tokens, pool_value, pool_parent, pool_greedy, total_tokens, vocab_ids)
+
+    def _best_nodes(self, pool_tokens, pool_value, pool_parent, pool_greedy, total_tokens, vocab_ids) -> Proposal:
+        """The ``total_tokens`` nodes of best path log-probability among every block's candidates (the all-top-1
+        path first), as a tree proposal in target ids."""
+        bsz = pool_tokens[0].shape[0]
         tokens = torch.cat(pool_tokens, dim=1)
         raw = torch.cat(pool_value, dim=1)
         values = raw.masked_fill(torch.cat(pool_greedy, dim=1), float("inf"))
