@@ -265,6 +265,34 @@ def find_latest_checkpoint(output_dir: str) -> str | None:
     return fallback
 
 
+def _fresh_accelerator(args: DrafterTrainingArguments, log_with):
+    """An ``Accelerator`` for one trainer. accelerate keeps one AcceleratorState per process; a trainer built after
+    another one (e.g. with other mixed-precision or accumulation settings) starts from a fresh one. The process group
+    (PartialState) stays."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    # Several processes on a machine without accelerators: accelerate needs `cpu=True` to set up gloo DDP.
+    multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return Accelerator(
+        cpu=multi_cpu,
+        mixed_precision=args.mixed_precision,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        log_with=log_with or None,
+        project_dir=args.output_dir,
+    )
+
+
+def _pad_token_id(target) -> int:
+    pad = getattr(target.config, "pad_token_id", None)
+    if pad is None:
+        eos = getattr(target.config, "eos_token_id", None)
+        pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+    return int(pad)
+
+
 def _atomic_write_text(path: str, text: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
@@ -439,8 +467,6 @@ class DrafterTrainer:
         data_info: dict | None = None,
         on_step: Callable[[int, dict], None] | None = None,
     ):
-        from accelerate import Accelerator
-
         from .data import DataCollator, ResumableBatchSampler, check_has_loss_tokens, check_token_ids
 
         self.args = args
@@ -454,26 +480,8 @@ class DrafterTrainer:
         self.on_step = on_step
         log_with = self._trackers(args.report_to)
         self.log_with = log_with
-        # accelerate keeps one AcceleratorState per process; a trainer built after another one (e.g. with other
-        # mixed-precision or accumulation settings) starts from a fresh one. The process group (PartialState) stays.
-        from accelerate.state import AcceleratorState, GradientState
-
-        AcceleratorState._reset_state(reset_partial_state=False)
-        GradientState._reset_state()
-        # Several processes on a machine without accelerators: accelerate needs `cpu=True` to set up gloo DDP.
-        multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
-        self.accelerator = Accelerator(
-            cpu=multi_cpu,
-            mixed_precision=args.mixed_precision,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            log_with=log_with or None,
-            project_dir=args.output_dir,
-        )
-        pad = getattr(target.config, "pad_token_id", None)
-        if pad is None:
-            eos = getattr(target.config, "eos_token_id", None)
-            pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
-        self.collate_fn = collate_fn or DataCollator(pad_token_id=int(pad))
+        self.accelerator = _fresh_accelerator(args, log_with)
+        self.collate_fn = collate_fn or DataCollator(pad_token_id=_pad_token_id(target))
 
         self.loss_kwarg_names = tuple(getattr(drafter, "loss_kwargs", ()))
         unknown = sorted(set(args.loss_kwargs or {}) - set(self.loss_kwarg_names))
