@@ -194,6 +194,30 @@ def _pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id
 
 
+def _check_settings(temperature: float, top_p: float, batch_size: int, max_new_tokens: int) -> None:
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}.")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError("batch_size and max_new_tokens must be positive.")
+
+
+def _log_skipped(log, too_long, num_records: int, max_new_tokens: int, target) -> None:
+    if too_long:
+        log(
+            f"Skipping {len(too_long)} of {num_records} records whose prompt leaves no room for {max_new_tokens} new "
+            f"tokens in the target's context ({_context_length(target)} positions), e.g. record {min(too_long)}; "
+            "pass truncate_left=True (--truncate-left) to keep their last tokens instead."
+        )
+
+
+def _output_line(tokenizer, record: dict, kind: str, index: int, ids, finished: bool) -> str:
+    line = _output_record(record, kind, tokenizer.decode(ids, skip_special_tokens=True), index)
+    line["answer_tokens"], line["finished"] = len(ids), finished
+    return json.dumps(line, ensure_ascii=False) + "\n"
+
+
 def regenerate(
     target: nn.Module,
     tokenizer,
@@ -257,12 +281,7 @@ def regenerate(
             unreadable existing output when resuming.
     """
     log = log or (lambda _msg: None)
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}.")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
-    if batch_size < 1 or max_new_tokens < 1:
-        raise ValueError("batch_size and max_new_tokens must be positive.")
+    _check_settings(temperature, top_p, batch_size, max_new_tokens)
     if isinstance(records, (str, os.PathLike)):
         records = load_records(records)
     records = list(records)
@@ -278,49 +297,55 @@ def regenerate(
 
     encoded = [tokenizer(text, add_special_tokens=not templated)["input_ids"] for text, templated in prompts]
     too_long = _too_long(encoded, max_new_tokens, target, truncate_left)
-    if too_long:
-        log(
-            f"Skipping {len(too_long)} of {len(records)} records whose prompt leaves no room for {max_new_tokens} new "
-            f"tokens in the target's context ({_context_length(target)} positions), e.g. record {min(too_long)}; "
-            "pass truncate_left=True (--truncate-left) to keep their last tokens instead."
-        )
+    _log_skipped(log, too_long, len(records), max_new_tokens, target)
     todo = [i for i in range(len(records)) if i not in too_long]
     batches = _batches(todo, [len(ids) for ids in encoded], batch_size, bucket_by_length)
 
+    def answer(b: int, batch: list[int]):
+        # The whole batch is generated even when part of it is done, so outputs match an uninterrupted run.
+        torch.manual_seed(seed + b)
+        rows = [_clip(encoded[i], max_new_tokens, target) for i in batch]
+        return _generate_batch(target, rows, pad_id, _end_ids(tokenizer), gen_kwargs)
+
+    def line(i: int, ids, finished: bool) -> str:
+        return _output_line(tokenizer, records[i], kinds[i], i, ids, finished)
+
+    written = _write_batches(output_path, batches, done, len(todo), progress, answer, line)
+    log(f"Regenerated {written} records into {output_path}.")
+    return written
+
+
+def _write_batches(output_path: str, batches, done: set, total: int, progress: bool, answer, line) -> int:
+    """Generates the batches not yet done, appending each answer's line and syncing after every batch (what a
+    resumed run relies on); returns the lines written. The progress bar shows records and new tokens per second."""
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(todo), initial=len(done & set(todo)), unit="rec", desc="regenerate")
-    written = new_tokens_total = 0
+        bar = tqdm(total=total, initial=len(done & {i for batch in batches for i in batch}), unit="rec",
+                   desc="regenerate")  # fmt: skip
+    written = new_tokens = 0
     started = time.perf_counter()
     try:
         with open(output_path, "a", encoding="utf-8") as out:
             for b, batch in enumerate(batches):
                 if all(i in done for i in batch):
                     continue
-                # The whole batch is generated even when part of it is done, so outputs match an uninterrupted run.
-                torch.manual_seed(seed + b)
-                rows = [_clip(encoded[i], max_new_tokens, target) for i in batch]
-                answers = _generate_batch(target, rows, pad_id, _end_ids(tokenizer), gen_kwargs)
+                answers = answer(b, batch)
                 fresh = [(row, i) for row, i in enumerate(batch) if i not in done]
                 for row, i in fresh:
                     ids, finished = answers[row]
-                    text = tokenizer.decode(ids, skip_special_tokens=True)
-                    line = _output_record(records[i], kinds[i], text, i)
-                    line["answer_tokens"], line["finished"] = len(ids), finished
-                    out.write(json.dumps(line, ensure_ascii=False) + "\n")
+                    out.write(line(i, ids, finished))
                     done.add(i)
                     written += 1
-                    new_tokens_total += len(ids)
+                    new_tokens += len(ids)
                 out.flush()
                 os.fsync(out.fileno())
                 if bar is not None:
                     bar.update(len(fresh))
-                    rate = new_tokens_total / max(time.perf_counter() - started, 1e-9)
-                    bar.set_postfix_str(f"{new_tokens_total} tok, {rate:.0f} tok/s")
+                    rate = new_tokens / max(time.perf_counter() - started, 1e-9)
+                    bar.set_postfix_str(f"{new_tokens} tok, {rate:.0f} tok/s")
     finally:
         if bar is not None:
             bar.close()
-    log(f"Regenerated {written} records into {output_path}.")
     return written
