@@ -94,74 +94,14 @@ def drafter_card(
     if not target:
         raise ValueError("The drafter's config does not name its target: pass base_model= (the target's Hub id).")
     spec = get_drafter_spec(cfg.model_type)  # the family's name, display name and card wording
-    record: dict[str, Any] = {}
-    if folder is not None and os.path.isfile(os.path.join(folder, "training_record.json")):
-        with open(os.path.join(folder, "training_record.json"), encoding="utf-8") as fh:
-            record = json.load(fh)
-        trained_for = (record.get("target") or {}).get("name_or_path")
-        # A local folder counts as the Hub model it holds when the names agree (a converted cache folder is
-        # lower-case: smollm2-135m-instruct for HuggingFaceTB/SmolLM2-135M-Instruct).
-        same = (
-            os.path.basename(trained_for.rstrip("/")).lower() == base_model.split("/")[-1].lower()
-            if trained_for and base_model
-            else True
-        )
-        if not same:
-            raise ValueError(
-                f"The training record says this drafter was trained for {trained_for!r}, but the card would name "
-                f"{base_model!r} as its target. Pass the right base_model."
-            )
+    record = _training_record(folder, base_model)
     report = _load_bench(bench)
     folder = os.path.basename(str(getattr(drafter, "name_or_path", "") or "").rstrip("/"))
     prefix = f"{cfg.model_type.removesuffix('_drafter')}:{folder}" if folder else None
     results, approximate = ("", False) if report is None else _results_table(report, prefix)
-    own = sum(p.numel() for p in drafter.parameters())
-    facts = [
-        ("family", f"{spec.label} (`{type(drafter).__name__}`)"),
-        ("parameters", f"{own / 1e6:.1f} M (target embeddings / LM head borrowed at generation time, not saved)"),
-        (
-            "target",
-            f"`{target}` ({cfg.target_model_type}, {cfg.target_num_hidden_layers or 'any number of'} layers, hidden "
-            f"{cfg.target_hidden_size}, vocabulary {cfg.target_vocab_size})",
-        ),  # fmt: skip
-        ("draft tokens per step", str(cfg.num_draft_tokens)),
-    ]
-    if cfg.target_layer_ids is not None:
-        facts.append(("target features", f"`output_hidden_states{list(cfg.target_layer_ids)}`"))
-    if cfg.draft_vocab_size and cfg.draft_vocab_size != cfg.target_vocab_size:
-        facts.append(("draft vocabulary", f"{cfg.draft_vocab_size} of {cfg.target_vocab_size} tokens"))
-    if layout is not None:
-        from .convert import LAYOUTS
-
-        facts.append(("checkpoint layout", f"`{layout}`: {LAYOUTS[layout].description} (hf_specdec reads it too)"))
-    training = []
-    if record:
-        data = record.get("data") or {}
-        training = [
-            (
-                "data",
-                f"{data.get('source') or data.get('prompt_source') or '?'}: "
-                f"{data.get('examples', data.get('num_examples', '?'))} examples, "
-                f"{data.get('tokens', data.get('total_tokens', '?'))} tokens"
-                + (f" ({data['answers']} self-distilled answers)" if data.get("answers") else ""),
-            ),
-            ("steps", str(record.get("steps"))),
-            ("throughput", f"{record.get('tokens_per_second')} tokens/s, peak RSS {record.get('peak_rss_mb')} MB"),
-        ]
-        final = record.get("final_eval") or {}
-        if final:
-            training.append(("held-out", ", ".join(f"{k} {v}" for k, v in final.items())))
-    if approximate:
-        guarantee = (
-            "The results include an **approximate** verifier (ASD): its outputs may differ from the target's own "
-            "greedy decoding; the measured deviation is in the results table. With the default verifiers, greedy "
-            "outputs are token-identical to plain `generate` and sampling is lossless."
-        )
-    else:
-        guarantee = (
-            "Lossless: greedy outputs are token-identical to plain `generate`, and sampling follows the target's "
-            "distribution exactly (rejection sampling)."
-        )
+    facts = _facts(drafter, spec, target, layout)
+    training = _training_rows(record)
+    guarantee = _APPROXIMATE if approximate else _LOSSLESS
     tags = ["speculative-decoding", spec.name, "hf_specdec"]
     card_data = ModelCardData(
         base_model=target,
@@ -197,6 +137,85 @@ def drafter_card(
         hardware=hardware,
         limitations=limitations or [],
     )
+
+
+_APPROXIMATE = (
+    "The results include an **approximate** verifier (ASD): its outputs may differ from the target's own greedy "
+    "decoding; the measured deviation is in the results table. With the default verifiers, greedy outputs are "
+    "token-identical to plain `generate` and sampling is lossless."
+)
+_LOSSLESS = (
+    "Lossless: greedy outputs are token-identical to plain `generate`, and sampling follows the target's "
+    "distribution exactly (rejection sampling)."
+)
+
+
+def _training_record(folder, base_model) -> dict[str, Any]:
+    """The folder's ``training_record.json`` (``{}`` without one), refused when it names another target than
+    ``base_model``."""
+    record: dict[str, Any] = {}
+    if folder is not None and os.path.isfile(os.path.join(folder, "training_record.json")):
+        with open(os.path.join(folder, "training_record.json"), encoding="utf-8") as fh:
+            record = json.load(fh)
+        trained_for = (record.get("target") or {}).get("name_or_path")
+        # A local folder counts as the Hub model it holds when the names agree (a converted cache folder is
+        # lower-case: smollm2-135m-instruct for HuggingFaceTB/SmolLM2-135M-Instruct).
+        same = (
+            os.path.basename(trained_for.rstrip("/")).lower() == base_model.split("/")[-1].lower()
+            if trained_for and base_model
+            else True
+        )
+        if not same:
+            raise ValueError(
+                f"The training record says this drafter was trained for {trained_for!r}, but the card would name "
+                f"{base_model!r} as its target. Pass the right base_model."
+            )
+    return record
+
+
+def _facts(drafter, spec, target: str, layout: str | None) -> list[tuple[str, str]]:
+    cfg = drafter.config
+    own = sum(p.numel() for p in drafter.parameters())
+    facts = [
+        ("family", f"{spec.label} (`{type(drafter).__name__}`)"),
+        ("parameters", f"{own / 1e6:.1f} M (target embeddings / LM head borrowed at generation time, not saved)"),
+        (
+            "target",
+            f"`{target}` ({cfg.target_model_type}, {cfg.target_num_hidden_layers or 'any number of'} layers, hidden "
+            f"{cfg.target_hidden_size}, vocabulary {cfg.target_vocab_size})",
+        ),  # fmt: skip
+        ("draft tokens per step", str(cfg.num_draft_tokens)),
+    ]
+    if cfg.target_layer_ids is not None:
+        facts.append(("target features", f"`output_hidden_states{list(cfg.target_layer_ids)}`"))
+    if cfg.draft_vocab_size and cfg.draft_vocab_size != cfg.target_vocab_size:
+        facts.append(("draft vocabulary", f"{cfg.draft_vocab_size} of {cfg.target_vocab_size} tokens"))
+    if layout is not None:
+        from .convert import LAYOUTS
+
+        facts.append(("checkpoint layout", f"`{layout}`: {LAYOUTS[layout].description} (hf_specdec reads it too)"))
+    return facts
+
+
+def _training_rows(record: dict) -> list[tuple[str, str]]:
+    training = []
+    if record:
+        data = record.get("data") or {}
+        training = [
+            (
+                "data",
+                f"{data.get('source') or data.get('prompt_source') or '?'}: "
+                f"{data.get('examples', data.get('num_examples', '?'))} examples, "
+                f"{data.get('tokens', data.get('total_tokens', '?'))} tokens"
+                + (f" ({data['answers']} self-distilled answers)" if data.get("answers") else ""),
+            ),
+            ("steps", str(record.get("steps"))),
+            ("throughput", f"{record.get('tokens_per_second')} tokens/s, peak RSS {record.get('peak_rss_mb')} MB"),
+        ]
+        final = record.get("final_eval") or {}
+        if final:
+            training.append(("held-out", ", ".join(f"{k} {v}" for k, v in final.items())))
+    return training
 
 
 def push_drafter(
