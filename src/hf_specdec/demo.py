@@ -330,14 +330,7 @@ def run_demo(
     from .registry import get_drafter_spec
 
     spec = get_demo_target(target)
-    if num_draft_tokens is not None and int(num_draft_tokens) < 1:
-        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens} (leave it unset for the drafter's K).")
-    if train and not spec.trainable:
-        trainable = ", ".join(name for name, t in DEMO_TARGETS.items() if t.trainable)
-        raise ValueError(
-            f"--train has a recipe only for the demo target(s) {trainable}, not for {spec.name!r}; train a drafter "
-            f"with `hf-specdec train` and pass it with --drafter PATH."
-        )
+    _check_demo_options(spec, num_draft_tokens, train)
     if not train:
         drafter_path = demo_drafter_path(spec, drafter_path)
     prompts = demo_prompts(spec, num_prompts)
@@ -379,10 +372,45 @@ def run_demo(
             "prompts": spec.prompts,
         },
     )
+    summary = _summary(spec.name, report, k, len(prompts), max_new_tokens)
+    print()
+    print(format_console_table(report))
+    if len(categories) > 1:
+        print("\nper category (speedup over plain generate, tau in brackets):")
+        print(category_table(report, mode="greedy", batch_size=1))
+    example = _example(model, tokenizer, drafter, prompts[0], max_new_tokens, k)
+    summary["example"] = {key: example[key] for key in ("prompt_id", "category", "output")}
+    print("\n" + example["heading"])
+    print(example["display"])
+    os.makedirs(out_dir, exist_ok=True)
+    png = save_plots(report, os.path.join(out_dir, "demo_report.png"))
+    summary["plot"] = png
+    summary["wall_time_s"] = round(time.time() - t_start, 1)
+    path = os.path.join(out_dir, "demo_report.json")
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(summary, fh, indent=1)
+    _print_verdict(summary, repeats)
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
+    return summary
+
+
+def _check_demo_options(spec, num_draft_tokens, train: bool) -> None:
+    if num_draft_tokens is not None and int(num_draft_tokens) < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens} (leave it unset for the drafter's K).")
+    if train and not spec.trainable:
+        trainable = ", ".join(name for name, t in DEMO_TARGETS.items() if t.trainable)
+        raise ValueError(
+            f"--train has a recipe only for the demo target(s) {trainable}, not for {spec.name!r}; train a drafter "
+            f"with `hf-specdec train` and pass it with --drafter PATH."
+        )
+
+
+def _summary(target_name: str, report: dict, k: int, num_prompts: int, max_new_tokens: int) -> dict:
+    """``demo_report.json``'s figures: the drafter's overall record against plain's."""
     plain = next(r for r in report["records"] if r["kind"] == "plain" and r["category"] == "all")
     spec_rec = next(r for r in report["records"] if r["kind"] == "drafter" and r["category"] == "all")
     summary = {
-        "target": spec.name,
+        "target": target_name,
         "speedup": spec_rec["speedup"],
         "speedup_median": spec_rec["speedup_median"],
         "speedup_ci95": spec_rec["speedup_ci95"],
@@ -400,27 +428,15 @@ def run_demo(
         "plain_step_share": spec_rec.get("plain_step_share"),
         "lookup_pass_share": spec_rec.get("lookup_pass_share"),
         "num_draft_tokens": k,
-        "num_prompts": len(prompts),
+        "num_prompts": num_prompts,
         "max_new_tokens": max_new_tokens,
         "wall_time_s": None,
         "report": report,
     }
-    print()
-    print(format_console_table(report))
-    if len(categories) > 1:
-        print("\nper category (speedup over plain generate, tau in brackets):")
-        print(category_table(report, mode="greedy", batch_size=1))
-    example = _example(model, tokenizer, drafter, prompts[0], max_new_tokens, k)
-    summary["example"] = {key: example[key] for key in ("prompt_id", "category", "output")}
-    print("\n" + example["heading"])
-    print(example["display"])
-    os.makedirs(out_dir, exist_ok=True)
-    png = save_plots(report, os.path.join(out_dir, "demo_report.png"))
-    summary["plot"] = png
-    summary["wall_time_s"] = round(time.time() - t_start, 1)
-    path = os.path.join(out_dir, "demo_report.json")
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(summary, fh, indent=1)
+    return summary
+
+
+def _print_verdict(summary: dict, repeats: int) -> None:
     verdict = "identical to" if summary["identical"] else "DIFFERENT FROM"
     speed = summary["speedup_median"] or summary["speedup"]
     pace = f"{speed:.2f}x faster" if speed >= 1.005 else f"{speed:.2f}x the speed of plain generate"
@@ -433,8 +449,6 @@ def run_demo(
             f"the drafter rarely pays on this machine: the adaptive draft length ran {100 * summary['plain_step_share']:.0f}% "
             "of passes as plain steps (see README.md, 'Draft length')."
         )
-    print(f"wrote {path}" + (f" and {png}" if png else ""))
-    return summary
 
 
 def _example(model, tokenizer, drafter, item, max_new_tokens: int, k: int) -> dict:
