@@ -279,3 +279,30 @@ def test_import_check_can_fail(tmp_path, monkeypatch, source, module, bad):
     (fake_src / (module.replace(".", "/") + ".py")).write_text(source)
     monkeypatch.setattr(rules, "SRC", str(fake_src))
     assert bool(rules.layer_violations()) == bad
+
+
+MAX_FUNCTION_LINES = 100
+
+
+def long_functions(src: str | None = None) -> list[str]:
+    """Functions (docstring included) longer than MAX_FUNCTION_LINES lines."""
+    found = []
+    for path in _python_files(src or SRC):
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found.append(f"{os.path.relpath(path, src or SRC)}:{node.lineno} {node.name}: {lines} lines")
+    return found
+
+
+def test_no_function_is_longer_than_a_screenful_or_two():
+    """A function a newcomer must read as a whole stays short: split a longer one into named steps."""
+    found = long_functions()
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(found)
+
+
+def test_the_length_check_can_fail(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "long.py").write_text(f"def long():\n{body}\n\n\ndef short():\n    return 1\n")
+    assert [f.split(" ")[1] for f in long_functions(str(tmp_path))] == ["long:"]
