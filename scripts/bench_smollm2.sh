@@ -8,8 +8,10 @@
 #           smollm2-bench-b4   fp32, greedy, batch 4 (4 prompts per category: one full batch each), 128 new tokens
 #   lane 2: smollm2-bench-t07  fp32, sampling at T = 0.7, batch 1, 128 new tokens: EAGLE-3 chain, adaptive and fixed K
 #           smollm2-bench-bf16 the target in bf16 (the dtype users run), greedy and T = 0.7, batch 1, 128 new tokens:
-#                              bf16 plain and the EAGLE-3 chain (no peers: with them the lane took over 2 hours);
-#                              greedy outputs that differ from bf16 plain are classified as near-ties or real differences
+#                              bf16 plain and the EAGLE-3 chain, 1 prompt per category (at batch 1 on this CPU a bf16
+#                              step is about 3x slower than an fp32 one: with 3 prompts and the peers the lane took over
+#                              2 hours); greedy outputs that differ from bf16 plain are classified as near-ties or real
+#                              differences
 # Every run repeats 3 times (the bench default) and reports each speedup's median, 95 % interval and verdict.
 # About 100 minutes on a 2-core VM. Outputs: model_cards/results/smollm2-bench*.{json,md,png}.
 set -euo pipefail
@@ -24,7 +26,8 @@ lane1() {
 }
 lane2() {
     hf-specdec bench "${COMMON[@]}" --temperature 0.7 --no-peers --draft-length adaptive fixed --stem smollm2-bench-t07
-    hf-specdec bench "${COMMON[@]}" --dtype bfloat16 --temperature 0 0.7 --no-peers --stem smollm2-bench-bf16
+    hf-specdec bench "${COMMON[@]}" --max-prompts 1 --dtype bfloat16 --temperature 0 0.7 --no-peers \
+        --stem smollm2-bench-bf16
 }
 lane1 &
 lane2 &
