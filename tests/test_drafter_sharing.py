@@ -124,8 +124,8 @@ def test_the_adaptive_memory_lives_outside_the_drafter_resets_and_goes_with_it()
     assert learned.passes > 0
     draft_length_memory(drafter).reset()
     assert controller_for(drafter, target, 3, None, 1, False, cpu).passes == 0  # starts cold again
-    gone = weakref.ref(drafter)
-    count = len(_MEMORIES)
+    gone, memory = weakref.ref(drafter), weakref.ref(draft_length_memory(drafter))
+    assert drafter in _MEMORIES
     del drafter, learned
     gc.collect()
-    assert gone() is None and len(_MEMORIES) == count - 1  # the memory went with its drafter
+    assert gone() is None and memory() is None  # the memory went with its drafter
