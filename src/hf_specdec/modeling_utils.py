@@ -19,6 +19,9 @@ from .types import DraftInputs, Proposal, TokenSelector
 
 # Guards binding: a drafter stays bound to one target while any `generate` call with it runs (see `generating_for`).
 _BINDING_LOCK = threading.RLock()
+# This machine's measurements for a drafter that reads them (``hf-specdec profile --drafter``), kept next to its
+# weights but out of config.json: timings belong to a machine, not to the model, and are never published.
+PASS_TIMES_FILE = "pass_times.json"
 
 __all__ = [
     "DrafterPreTrainedModel",

@@ -24,6 +24,8 @@ class DrafterSpec:
         display_name: how people write the method (model cards, reports, demo); defaults to ``name``.
         card_description: a paragraph for the model card on how the drafter works.
         default: the family used when a command is given no ``--drafter`` (one family sets it).
+        commands: the ``hf-specdec`` commands that work on this family's drafters beyond the common ones
+            (``"profile"``: it reads the target's pass times; ``"calibrate"``: it has a confidence head).
     """
 
     name: str
@@ -33,6 +35,7 @@ class DrafterSpec:
     display_name: str = ""
     card_description: str = ""
     default: bool = False
+    commands: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -55,6 +58,7 @@ def register_drafter(
     display_name: str = "",
     card_description: str = "",
     default: bool = False,
+    commands: tuple[str, ...] = (),
 ) -> DrafterSpec:
     """Registers a drafter family with hf_specdec, ``AutoConfig`` and ``AutoModelForDrafting``.
 
@@ -73,7 +77,8 @@ def register_drafter(
         raise ValueError(f"A drafter family named {name!r} is already registered.")
     if default and any(s.default and s.name != name for s in DRAFTERS.values()):
         raise ValueError(f"Another family is already the default; {name!r} cannot be one too.")
-    spec = DrafterSpec(name, config_class, model_class, description, display_name, card_description, default)
+    spec = DrafterSpec(name, config_class, model_class, description, display_name, card_description, default,
+                       tuple(commands))  # fmt: skip
     if name not in DRAFTERS:
         AutoConfig.register(model_type, config_class, exist_ok=True)
         AutoModelForDrafting.register(config_class, model_class, exist_ok=True)

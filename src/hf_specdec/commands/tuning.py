@@ -1,7 +1,12 @@
-"""The commands that store measurements in a drafter: `profile` (the target's pass times, for a verification-length scheduler) and `calibrate` (a confidence head's temperatures)."""
+"""The commands for the families that register them (``register_drafter(..., commands=...)``): `profile` (the
+target's pass times on this machine, for a verification-length scheduler; stored next to the drafter as
+``pass_times.json``) and `calibrate` (a confidence head's temperatures, stored in its config)."""
 
 from __future__ import annotations
 
+import os
+
+from ..modeling_utils import PASS_TIMES_FILE
 from .common import add_target_args, load_target
 
 
@@ -10,12 +15,13 @@ def _profile(args) -> int:
 
     import torch
 
-    from ..auto import AutoModelForDrafting
     from ..bench.profile import measure_pass_seconds
 
     if args.threads:
         torch.set_num_threads(args.threads)
     target, _ = load_target(args)
+    if args.drafter:
+        _profiled_drafter(args.drafter, target)  # refused before anything is measured
     table = measure_pass_seconds(
         target, args.batch_sizes, args.widths, context=args.context, repeats=args.repeats, warmup=args.warmup
     )
@@ -25,16 +31,37 @@ def _profile(args) -> int:
         with open(args.out, "w", encoding="utf-8") as fh:
             json.dump(table, fh, indent=2)
     if args.drafter:
-        drafter = AutoModelForDrafting.from_pretrained(args.drafter)
-        if "verify_seconds" not in type(drafter.config).__annotations__:
-            raise SystemExit(f"{type(drafter).__name__} reads no pass times (verify_seconds).")
-        drafter.check_target_compatibility(target)
-        drafter.config.verify_seconds = {k: table[k] for k in ("batch_sizes", "widths", "seconds")}
-        drafter.config.verify_seconds["device"] = table["hardware"].get("device_name") or table["hardware"]["device"]
-        drafter.config.validate_drafter(require_complete=True)
-        drafter.config.save_pretrained(args.drafter)
-        print(f"stored the pass times in {args.drafter}/config.json (verify_seconds)")
+        times = {k: table[k] for k in ("batch_sizes", "widths", "seconds")}
+        times["device"] = table["hardware"].get("device_name") or table["hardware"]["device"]
+        path = os.path.join(args.drafter, PASS_TIMES_FILE)
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(times, fh, indent=1)
+        print(f"stored the pass times in {path} (this machine's; config.json is unchanged)")
     return 0
+
+
+def _profiled_drafter(folder: str, target) -> None:
+    """Checks that the pass times can go next to this drafter: a local folder of a family that reads them, made for
+    this target."""
+    from ..auto import AutoModelForDrafting
+
+    if not os.path.isdir(folder):
+        raise SystemExit(f"--drafter {folder!r} is not a local drafter folder (the pass times go next to it).")
+    drafter = AutoModelForDrafting.from_pretrained(folder)
+    _family_runs(drafter, "profile")
+    drafter.check_target_compatibility(target)
+
+
+def _family_runs(drafter, command: str) -> None:
+    """Refuses a drafter whose family did not register ``command`` (``register_drafter(..., commands=...)``)."""
+    from ..registry import DRAFTERS, get_drafter_spec
+
+    if command not in get_drafter_spec(drafter.config.model_type).commands:
+        able = sorted(name for name, spec in DRAFTERS.items() if command in spec.commands)
+        raise SystemExit(
+            f"`hf-specdec {command}` does not apply to {type(drafter).__name__}; the families it applies to: "
+            f"{', '.join(able) or 'none'}."
+        )
 
 
 def _calibrate(args) -> int:
@@ -44,8 +71,7 @@ def _calibrate(args) -> int:
     from ..training.calibration import collect_calibration_batches
 
     drafter = AutoModelForDrafting.from_pretrained(args.drafter)
-    if not hasattr(drafter, "calibrate_confidence"):
-        raise SystemExit(f"{type(drafter).__name__} has no confidence head to calibrate.")
+    _family_runs(drafter, "calibrate")
     target, _ = load_target(args)
     drafter.check_target_compatibility(target)
     drafter.bind_target(target)
@@ -66,7 +92,7 @@ def add_parsers(sub) -> None:
         "verification-length scheduler weighs); store the table in a drafter that reads one",
     )
     add_target_args(p)
-    p.add_argument("--drafter", default=None, help="drafter folder whose config receives the table (verify_seconds)")
+    p.add_argument("--drafter", default=None, help=f"drafter folder that receives the table as {PASS_TIMES_FILE}")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8])
     p.add_argument("--context", type=int, default=256, help="tokens already in the KV cache")

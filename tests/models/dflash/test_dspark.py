@@ -188,8 +188,13 @@ def test_profile_and_calibrate_commands(tmp_path):
                 "--out", str(tmp_path / "profile.json")]) == 0  # fmt: skip
     table = json.loads((tmp_path / "profile.json").read_text())
     assert table["batch_sizes"] == [1, 2] and len(table["seconds"]) == 2 and len(table["seconds"][0]) == 3
+    config_before = (tmp_path / "dspark" / "config.json").read_text()
+    assert 'verify_seconds": null' in config_before or "verify_seconds" not in config_before
+    stored = json.loads((tmp_path / "dspark" / "pass_times.json").read_text())  # this machine's, beside the weights
+    assert stored["seconds"] == table["seconds"] and stored["widths"] == [1, 3, 5]
     loaded = AutoModelForDrafting.from_pretrained(tmp_path / "dspark")
-    assert loaded.config.verify_seconds["seconds"] == table["seconds"]
+    assert loaded.config.verify_seconds is None and loaded.pass_times()["seconds"] == table["seconds"]
+    loaded.init_draft_state(1, 32, confidence_schedule=True)  # the scheduler finds the table
 
     assert cli(["dump-features", "--target", t, "--data", str(tmp_path / "data.jsonl"), "--output-dir",
                 str(tmp_path / "feats"), "--feature-dtype", "float32", "--max-length", "64", "--batch-size", "4",
@@ -203,6 +208,29 @@ def test_profile_and_calibrate_commands(tmp_path):
         AutoModelForDrafting.from_pretrained(tmp_path / "dspark").config.confidence_temperatures
         == report["temperatures"]
     )
+
+
+@pytest.mark.parametrize("command", ["profile", "calibrate"])
+def test_family_commands_refuse_a_family_that_did_not_register_them(tmp_path, command, capsys):
+    """`profile` and `calibrate` apply to the families that register them (here DSpark): another drafter is refused
+    in one line naming the families it applies to, before anything is measured or written."""
+    from helpers import chat_workspace
+
+    from hf_specdec import Eagle3Config
+    from hf_specdec.commands import main as cli
+    from hf_specdec.registry import get_drafter_spec
+
+    assert get_drafter_spec("dspark").commands == ("profile", "calibrate")
+    target, _, _ = chat_workspace(tmp_path)
+    folder = tmp_path / "eagle3"
+    AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config)).save_pretrained(folder)
+    before = sorted(p.name for p in folder.iterdir())
+    extra = ["--features", str(tmp_path / "none")] if command == "calibrate" else ["--repeats", "1", "--warmup", "0"]
+    capsys.readouterr()
+    assert cli([command, "--target", str(tmp_path / "target"), "--drafter", str(folder), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"`hf-specdec {command}` does not apply to Eagle3ForDrafting" in err and "dspark" in err
+    assert sorted(p.name for p in folder.iterdir()) == before
 
 
 def _deepspec_checkpoint(tmp_path):

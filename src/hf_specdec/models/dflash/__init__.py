@@ -36,6 +36,7 @@ register_drafter(
         "previous draft token and predicts each draft's acceptance with a confidence head; a scheduler uses the "
         "confidences and the target's measured pass times to choose how many drafts each row verifies."
     ),
+    commands=("profile", "calibrate"),
 )
 
 __all__ = [

@@ -25,10 +25,12 @@ class DSparkConfig(DFlashConfig):
             ``w_k = exp(-k / loss_decay_gamma)`` (``k`` 0-based, ``loss_decay_gamma`` 4 by default, as DeepSpec's code).
         confidence_temperatures (`list[float]`, *optional*): per-slot temperatures ``T_k`` of the calibrated confidence
             ``σ(logit_k / T_k)`` (sequential temperature scaling, ``hf-specdec calibrate``); none: uncalibrated.
-        verify_seconds (`dict`, *optional*): the target pass time measured on a machine (``hf-specdec profile``):
+        verify_seconds (`dict`, *optional*): the target pass time measured on a machine:
             ``{"batch_sizes": [...], "widths": [...], "seconds": [[...]], "device": ...}``, seconds of one target
             pass over ``width`` tokens per row at each batch size. The verification-length scheduler
-            (``generate(..., confidence_schedule=True)``) reads it.
+            (``generate(..., confidence_schedule=True)``) reads it; unset, it reads ``pass_times.json`` next to a
+            drafter loaded from a folder (what ``hf-specdec profile --drafter`` writes there, not into this
+            config).
     """
 
     model_type = "dspark_drafter"
@@ -63,16 +65,21 @@ class DSparkConfig(DFlashConfig):
             raise ValueError(
                 f"{name}.confidence_temperatures must hold {self.block_size} positive temperatures, got {temps!r}."
             )
-        table = self.verify_seconds
-        if table is not None:
-            try:
-                rows = [list(map(float, row)) for row in table["seconds"]]
-                ok = len(rows) == len(table["batch_sizes"]) and all(len(r) == len(table["widths"]) for r in rows)
-                ok = ok and all(x > 0 for r in rows for x in r) and sorted(table["widths"]) == list(table["widths"])
-            except (KeyError, TypeError, ValueError):
-                ok = False
-            if not ok:
-                raise ValueError(
-                    f"{name}.verify_seconds must be {{'batch_sizes': [...], 'widths': [...] (increasing), 'seconds': "
-                    "[[...] per batch size]}} with positive times; rerun `hf-specdec profile`."
-                )
+        if self.verify_seconds is not None:
+            check_pass_times(self.verify_seconds, f"{name}.verify_seconds")
+
+
+def check_pass_times(table, where: str) -> None:
+    """Refuses a pass-time table (``hf-specdec profile``'s) that is not ``{"batch_sizes", "widths" (increasing),
+    "seconds": one row of positive times per batch size}``."""
+    try:
+        rows = [list(map(float, row)) for row in table["seconds"]]
+        ok = len(rows) == len(table["batch_sizes"]) and all(len(r) == len(table["widths"]) for r in rows)
+        ok = ok and all(x > 0 for r in rows for x in r) and sorted(table["widths"]) == list(table["widths"])
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{where} must be {{'batch_sizes': [...], 'widths': [...] (increasing), 'seconds': [[...] per batch "
+            "size]}} with positive times; rerun `hf-specdec profile`."
+        )

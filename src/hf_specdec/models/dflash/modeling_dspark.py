@@ -9,6 +9,8 @@ decides whether draft ``k`` is verified from the confidences of drafts ``<= k``,
 from __future__ import annotations
 
 import bisect
+import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -16,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...layers import SlotKVCache
+from ...modeling_utils import PASS_TIMES_FILE
 from ...types import Proposal, TokenSelector
-from .configuration_dspark import DSparkConfig
+from .configuration_dspark import DSparkConfig, check_pass_times
 from .modeling_dflash import DFlashDraftState, DFlashForDrafting
 
 __all__ = [
@@ -198,17 +201,33 @@ class DSparkForDrafting(DFlashForDrafting):
 
     # -- decoding ----------------------------------------------------------------------------------------------------
     def init_draft_state(self, batch_size: int, max_length: int, confidence_schedule: bool = False) -> DSparkDraftState:
-        if confidence_schedule and self.config.verify_seconds is None:
+        if confidence_schedule and self.pass_times() is None:
             raise ValueError(
-                "confidence_schedule=True needs the target's pass times on this machine in the drafter's config "
-                "(verify_seconds). Measure them with `hf-specdec profile --target ... --drafter <folder>`."
+                f"confidence_schedule=True needs the target's pass times on this machine ({PASS_TIMES_FILE} next to "
+                "the drafter, or config.verify_seconds). Measure them with `hf-specdec profile --target ... "
+                "--drafter <folder>`."
             )
         return DSparkDraftState(caches=[SlotKVCache() for _ in self.layers], schedule=bool(confidence_schedule))
 
+    def pass_times(self) -> dict | None:
+        """The target's measured pass times: ``config.verify_seconds`` when set, else the ``pass_times.json`` that
+        ``hf-specdec profile`` wrote next to the folder this drafter was loaded from (read once)."""
+        if self.config.verify_seconds is not None:
+            return self.config.verify_seconds
+        if "_pass_times" not in self.__dict__:
+            path = os.path.join(str(getattr(self, "name_or_path", "") or ""), PASS_TIMES_FILE)
+            table = None
+            if os.path.isfile(path):
+                with open(path, encoding="utf-8") as fh:
+                    table = json.load(fh)
+                check_pass_times(table, path)
+            self.__dict__["_pass_times"] = table
+        return self.__dict__["_pass_times"]
+
     def pass_seconds(self, batch_size: int):
-        """``seconds(width)`` of one target pass at ``batch_size`` rows, from ``verify_seconds`` (the nearest measured
-        batch size, linear in the (mean) width between measured widths)."""
-        table = self.config.verify_seconds
+        """``seconds(width)`` of one target pass at ``batch_size`` rows, from :meth:`pass_times` (the nearest
+        measured batch size, linear in the (mean) width between measured widths)."""
+        table = self.pass_times()
         sizes = list(table["batch_sizes"])
         row = table["seconds"][min(range(len(sizes)), key=lambda i: abs(sizes[i] - batch_size))]
         widths = list(table["widths"])
