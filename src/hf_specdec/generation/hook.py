@@ -23,9 +23,8 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList, Stop
 from transformers.generation.utils import GenerationMixin
 
 from ..modeling_utils import DrafterPreTrainedModel
-from ..tree.policies import TREE_OPTIONS
-from ..verification import VERIFIERS, verifier_option_owner
 from .loop import speculative_generate
+from .options import route_options
 
 __all__ = ["install_generate_hook", "uninstall_generate_hook", "is_generate_hook_installed"]
 
@@ -84,27 +83,15 @@ def _route(self, original, bound: inspect.BoundArguments):
 
 
 def _move_verifier_options(kwargs: dict, drafter) -> None:
-    """Routes option keywords to their owners: a verifier's declared options (e.g. ``asd_budget``) into
-    ``verifier_options`` (only with that verifier), tree options and the drafter family's own options into
-    ``draft_options``. Nothing here names a verifier or a family: each declares its options."""
-    verifier = kwargs.get("verifier")
-    options = dict(kwargs.get("verifier_options") or {})
-    draft = dict(kwargs.get("draft_options") or {})
-    for key in list(kwargs):
-        owner = verifier_option_owner(key)
-        if owner is not None:
-            chosen = VERIFIERS.get(verifier) if isinstance(verifier, str) else type(verifier)
-            if chosen is not owner:
-                raise ValueError(
-                    f"{key!r} is an option of the {owner.name!r} verifier: pass verifier={owner.name!r} as well."
-                )
-            options[owner.generate_options[key]] = kwargs.pop(key)
-        elif key in TREE_OPTIONS or key in type(drafter).draft_options:
-            draft[key] = kwargs.pop(key)
+    """Moves the call's option keywords to their owners (:func:`~hf_specdec.generation.options.route_options`):
+    the chosen verifier's into ``verifier_options``, tree and family options into ``draft_options``."""
+    options, draft, taken = route_options(kwargs, kwargs.get("verifier"), drafter, strict=True)
+    for key in taken:
+        kwargs.pop(key)
     if options:
-        kwargs["verifier_options"] = options
+        kwargs["verifier_options"] = {**dict(kwargs.get("verifier_options") or {}), **options}
     if draft:
-        kwargs["draft_options"] = draft
+        kwargs["draft_options"] = {**dict(kwargs.get("draft_options") or {}), **draft}
 
 
 def _move_stop_strings(model, args: dict, kwargs: dict) -> None:

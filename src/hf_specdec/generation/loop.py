@@ -38,10 +38,11 @@ from ..modeling_utils import DrafterPreTrainedModel
 from ..tree.policies import TREE_OPTIONS, make_tree_policy
 from ..tree.structure import tree_structure, validate_parents
 from ..types import DraftInputs, Proposal, SpeculativeDecoderOnlyOutput, VerificationFeedback
-from ..verification import VERIFIERS, get_verifier
+from ..verification import get_verifier
 from .adaptive import DRAFT_LENGTH_MODES, controller_for
 from .logits import ScoreProcessor
 from .ngram import lookup_proposal, merge_lookup
+from .options import option_names, route_options
 
 __all__ = ["speculative_generate", "TargetPasses", "Committer", "LoopStats"]
 
@@ -170,20 +171,17 @@ def _split_stopping_criteria(stopping_criteria: StoppingCriteriaList | None):
 
 def _resolve_options(generation_config, verifier, verifier_options, draft_options, drafter):
     """Verifier, verifier options and draft options from the call, falling back to frozen ``GenerationConfig``
-    attributes (e.g. ``generation_config.verifier = "asd"``, ``.asd_budget = 8``, ``.tree = "eagle2"``)."""
-    verifier_options = dict(verifier_options or {})
-    draft_options = dict(draft_options or {})
+    attributes (e.g. ``generation_config.verifier = "asd"``, ``.asd_budget = 8``, ``.tree = "eagle2"``); routed by
+    :func:`~hf_specdec.generation.options.route_options`, as the call's keywords are."""
     if verifier is None:
         verifier = getattr(generation_config, "verifier", None)
-    cls = VERIFIERS.get(verifier) if isinstance(verifier, str) else None
-    for key, arg in (cls.generate_options if cls is not None else {}).items():
-        value = getattr(generation_config, key, None)
-        if value is not None:
-            verifier_options.setdefault(arg, value)
-    for key in (*TREE_OPTIONS, *type(drafter).draft_options):
-        value = getattr(generation_config, key, None)
-        if value is not None:
-            draft_options.setdefault(key, value)
+    named = verifier if isinstance(verifier, str) else None  # an instance brings its own settings
+    frozen = {k: getattr(generation_config, k, None) for k in option_names(named, drafter)}
+    from_config, draft_from_config, _ = route_options(
+        {k: v for k, v in frozen.items() if v is not None}, named, drafter, strict=False
+    )
+    verifier_options = {**from_config, **dict(verifier_options or {})}  # the call's own options win
+    draft_options = {**draft_from_config, **dict(draft_options or {})}
     unknown = sorted(set(draft_options) - set(TREE_OPTIONS) - set(type(drafter).draft_options))
     if unknown:
         raise ValueError(
