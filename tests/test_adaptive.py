@@ -350,6 +350,6 @@ def test_the_draft_cost_counts_drafting_passes_not_the_prompt_or_catch_ups(monke
                           return_dict_in_generate=True)  # fmt: skip
     timings = out.timings
     assert timings["draft_steps"] >= 6 and timings["plain_steps"] >= 15
-    assert timings["draft_s"] >= 0.3
-    assert timings["draft_s"] / timings["draft_steps"] >= 0.03  # what c was: the prompt pass over 10 tokens
-    assert timings["drafting_s"] / timings["draft_steps"] < 0.01, timings
+    # all the drafter's time holds the 0.3 s prompt pass; the drafting passes' time (what c divides) does not
+    assert timings["drafting_s"] < 0.3 <= timings["draft_s"], timings
+    assert timings["drafting_s"] > 0
