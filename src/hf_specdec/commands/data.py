@@ -114,6 +114,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-resume", action="store_true", help="start over instead of continuing an existing output")
     p.set_defaults(func=_regenerate)
+
     p = sub.add_parser(
         "distill",
         help="self-distillation data at scale: prompts the target writes (Magpie), templated and your own; the "
@@ -131,6 +132,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_distill)
+
     p = sub.add_parser("dump-features", help="write the target features a drafter trains on to disk (offline)")
     add_target_args(p)
     p.add_argument("--data", required=True)

@@ -24,6 +24,7 @@ def _selfcheck(args) -> int:
 def add_parsers(sub) -> None:
     p = sub.add_parser("families", help="list the registered drafter families")
     p.set_defaults(func=_families)
+
     p = sub.add_parser(
         "selfcheck",
         help="build tiny targets of several architectures and check that speculative decoding reproduces plain "

@@ -101,6 +101,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=None, help="write the table as JSON")
     p.set_defaults(func=_profile)
+
     p = sub.add_parser(
         "calibrate",
         help="calibrate a drafter's confidence head on held-out offline features (sequential temperature scaling); "
