@@ -11,6 +11,10 @@ internet, from three kinds of material:
   distributions (their README files) and of standard-library module docstrings, used for summarisation, extraction,
   question answering over a passage, and code tasks from standard-library function docstrings.
 
+:func:`long_context_prompts` adds the long-context half of Spec-Bench's styles: documents of several thousand
+characters to summarise, several passages followed by a question (retrieval-augmented answers), and German sentences
+to translate, taken from the German message catalogs installed on the machine (``/usr/share/locale/de``).
+
 The prompt styles mirror Spec-Bench's six categories (conversation, translation, summarisation, QA, math reasoning,
 retrieval-augmented answers) without using any of its prompts: :func:`check_disjoint` rejects any prompt that shares
 a 12-word span with a benchmark prompt (Spec-Bench, HumanEval, the packaged demo prompts).
@@ -24,7 +28,15 @@ import inspect
 import random
 import re
 
-__all__ = ["chat_training_prompts", "passages", "check_disjoint", "overlap_checker", "benchmark_texts"]
+__all__ = [
+    "chat_training_prompts",
+    "long_context_prompts",
+    "passages",
+    "german_sentences",
+    "check_disjoint",
+    "overlap_checker",
+    "benchmark_texts",
+]
 
 _TOPICS = (
     "volcanoes",
@@ -447,6 +459,122 @@ def chat_training_prompts(num_prompts: int = 1200, seed: int = 0) -> list[dict]:
             prompts.append({"prompt": text, "category": cat, "source": "hf_specdec.chat_prompts"})
     rng.shuffle(prompts)
     return prompts[:num_prompts]
+
+
+def _reference_topics() -> list[tuple[str, str]]:
+    """``(source, paragraph)`` pairs of the Python language reference shipped with CPython (``pydoc_data``)."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # a stripped interpreter: no reference text
+        return []
+    out = []
+    for name in sorted(topics):
+        for para in re.split(r"\n\s*\n", topics[name]):
+            clean = _clean_paragraph(para)
+            if clean:
+                out.append((f"reference:{name}", clean))
+    return out
+
+
+def _prose_groups() -> list[tuple[str, list[str]]]:
+    """Paragraphs grouped by where they come from (a distribution, a module, a reference topic), in order."""
+    groups: dict[str, list[str]] = {}
+    for source, para in passages() + _reference_topics():
+        groups.setdefault(source, []).append(para)
+    return sorted(groups.items())
+
+
+def _subject(source: str) -> str:
+    kind, name = source.split(":", 1)
+    return {"pypi": f"the {name} package", "stdlib": f"Python's {name} module"}.get(kind, f"Python's {name} feature")
+
+
+def german_sentences(locale_dir: str = "/usr/share/locale/de/LC_MESSAGES") -> list[str]:
+    """German sentences (5 to 40 words, no format placeholders or option tables) from the message catalogs
+    (``*.mo``) installed in ``locale_dir``; sorted, empty where none are installed."""
+    import gettext
+    import glob
+
+    out = set()
+    for path in sorted(glob.glob(f"{locale_dir}/*.mo")):
+        try:
+            with open(path, "rb") as fh:
+                catalog = gettext.GNUTranslations(fh)._catalog  # type: ignore[attr-defined]
+        except (OSError, ValueError, UnicodeDecodeError):  # an unreadable catalog just gives no material
+            continue
+        for text in catalog.values():
+            if isinstance(text, str) and _is_german_sentence(text):
+                out.add(" ".join(text.split()))
+    return sorted(out)
+
+
+def _is_german_sentence(text: str) -> bool:
+    if any(c in text for c in "%$<>{}[]|\\/=_@\t") or text.lstrip() != text or "\n\n" in text:
+        return False
+    words = text.split()
+    return 5 <= len(words) <= 40 and text[0].isupper() and text.rstrip()[-1] in ".!?" and "--" not in text
+
+
+_LONG_QUESTIONS = (
+    "What is {s}?",
+    "What does {s} do?",
+    "Describe the purpose of {s}.",
+    "How is {s} used?",
+    "What are the main features of {s}?",
+    "Why would someone use {s}?",
+)
+_SUMMARY_TASKS = ("Summarize: {d}", "Summarize: {d}", "Summarize the following article.\n\n{d}", "{d}\n\nTL;DR:")
+
+
+def _document(rng: random.Random, groups, min_chars: int, max_chars: int) -> tuple[str, list[str]]:
+    """A document of consecutive paragraphs, starting in one group and running on into the next ones."""
+    start = rng.randrange(len(groups))
+    paras: list[str] = []
+    sources: list[str] = []
+    for source, group in groups[start:] + groups[:start]:
+        offset = rng.randrange(len(group))
+        for para in group[offset:]:
+            if sum(map(len, paras)) >= min_chars:
+                return " ".join(paras)[:max_chars], sources
+            paras.append(para)
+            sources.append(source)
+    return " ".join(paras)[:max_chars], sources
+
+
+def _rag_prompt(rng: random.Random, groups) -> str:
+    """Several passages, each cut at a word boundary like retrieved chunks, then a question on the first one."""
+    chunks = []
+    first = None
+    for _ in range(rng.randint(3, 5)):
+        source, group = groups[rng.randrange(len(groups))]
+        first = first or source
+        text = " ".join(group[rng.randrange(len(group)) :])[: rng.randint(600, 1100)]
+        chunks.append(text.rsplit(" ", 1)[0])
+    return "\n".join(chunks) + "\n" + rng.choice(_LONG_QUESTIONS).format(s=_subject(first))
+
+
+def long_context_prompts(num_prompts: int = 1536, seed: int = 0) -> list[dict]:
+    """``num_prompts`` long-context prompts ``{"prompt", "category", "source"}``: ``summarization`` (a document of
+    2,000 to 4,500 characters), ``rag`` (three to five passages, then a question) and ``translation`` (a German
+    sentence), in shares 0.4 / 0.35 / 0.25 (translation's share goes to the others where no German catalogs are
+    installed). Deterministic for a given seed and machine."""
+    rng = random.Random(seed)
+    groups = _prose_groups()
+    german = sorted(german_sentences())
+    rng.shuffle(german)
+    n_translation = min(len(german), round(0.25 * num_prompts))
+    n_rag = round(0.35 / 0.75 * (num_prompts - n_translation))
+    prompts = [_record(f"Translate German to English: {s}", "translation") for s in german[:n_translation]]
+    prompts += [_record(_rag_prompt(rng, groups), "rag") for _ in range(n_rag)]
+    for _ in range(num_prompts - len(prompts)):
+        document, _sources = _document(rng, groups, rng.randint(2000, 3800), 4500)
+        prompts.append(_record(rng.choice(_SUMMARY_TASKS).format(d=document), "summarization"))
+    rng.shuffle(prompts)
+    return prompts
+
+
+def _record(text: str, category: str) -> dict:
+    return {"prompt": text, "category": category, "source": "hf_specdec.chat_prompts.long_context"}
 
 
 def benchmark_texts() -> list[str]:

@@ -400,8 +400,15 @@ def _summarise(index: dict) -> None:
 _SOURCE_NAMES = {
     "magpie": "synthesised by the target (Magpie: it samples the user turn after its chat template's user prefix)",
     "hf_specdec.chat_prompts": "hf_specdec's templated prompts (`hf_specdec.chat_prompts.chat_training_prompts`)",
+    "hf_specdec.chat_prompts.long_context": "hf_specdec's long-context prompts (`hf_specdec.chat_prompts."
+    "long_context_prompts`: documents to summarise, passages with a question, German sentences to translate)",
     "user": "the user's own records (`extra_records`)",
 }
+_LONG_CONTEXT_LICENSE = (
+    " The long-context prompts also quote the Python language reference (`pydoc_data`, PSF) and German sentences of "
+    "the message catalogs installed under /usr/share/locale/de (translations of GNU/Linux programs' messages, "
+    "under those programs' licenses, mostly GPL/LGPL)."
+)
 
 
 def dataset_card(index: dict, out_dir: str | os.PathLike | None = None) -> str:
@@ -455,7 +462,8 @@ def dataset_card(index: dict, out_dir: str | os.PathLike | None = None) -> str:
         "Apache-2.0); the templated prompts are hf_specdec's (Apache-2.0) and quote paragraphs of the Python "
         "standard library's docstrings and of installed packages' README files, under their own licenses (PSF, MIT, "
         "BSD, Apache-2.0). Machine-written text: it can be wrong, and it is meant for training drafters of this "
-        "target, not as a source of facts.",
+        "target, not as a source of facts."
+        + (_LONG_CONTEXT_LICENSE if "hf_specdec.chat_prompts.long_context" in index.get("sources", {}) else ""),
         "",
         "## Rebuild",
         "",
