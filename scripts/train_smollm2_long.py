@@ -71,6 +71,7 @@ def main(argv=None):
     p.add_argument("--save-steps", type=int, default=100)
     p.add_argument("--mixed-precision", default="bf16", choices=["no", "bf16"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-records", type=int, default=None, help="cap every set at N records (a quick check)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -86,6 +87,8 @@ def main(argv=None):
     chat_train, chat_eval = split_records(read_distill_dataset(args.chat_data), args.eval_every)
     long_train, long_eval = split_records(read_distill_dataset(args.long_data), args.long_eval_every)
     replay = chat_train[: prefix_for_tokens(chat_train, args.replay_tokens)]
+    cap = slice(args.max_records)
+    long_train, replay, chat_eval, long_eval = long_train[cap], replay[cap], chat_eval[cap], long_eval[cap]
     start = AutoModelForDrafting.from_pretrained(args.drafter)
     dirs = {name: os.path.join(args.out, f"features-{name}") for name in ("train", "eval-chat", "eval-long")}
     dump(target, tokenizer, long_train + replay, start.config, dirs["train"], args.max_length)

@@ -176,3 +176,23 @@ def test_metrics_are_logged_to_tensorboard(tmp_path, target):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"train/loss", "train/simulated_tau", "eval/loss", "eval/acc_0"} <= tags
+
+
+def test_fine_tuning_a_loaded_drafter_keeps_its_draft_vocabulary_and_weights(tmp_path, target):
+    # A fresh drafter takes its reduced vocabulary from the data; a trained one, fine-tuned on data with other token
+    # frequencies, must keep it: rebuilding it would point every trained output row at another token.
+    first = self_distilled(target, 8, seed=0)
+    drafter = fresh(target, draft_vocab_size=48)
+    DrafterTrainer(drafter, target, args(tmp_path / "a"), first).train()
+    drafter.save_pretrained(tmp_path / "trained")
+    loaded = AutoModelForDrafting.from_pretrained(tmp_path / "trained")
+    vocab = loaded.draft_token_ids.clone()
+    before = DrafterTrainer(loaded, target, args(tmp_path / "b"), first).evaluate(first).loss
+    other = self_distilled(target, 8, seed=5)
+    DrafterTrainer(loaded, target, args(tmp_path / "c", max_steps=1, learning_rate=1e-6), other).train()
+    assert torch.equal(loaded.draft_token_ids, vocab)
+    after = DrafterTrainer(loaded, target, args(tmp_path / "d"), first).evaluate(first).loss
+    assert after == pytest.approx(before, rel=0.02)  # one tiny step: still the trained drafter, not a re-initialised one
+    fresh_other = fresh(target, draft_vocab_size=48)
+    DrafterTrainer(fresh_other, target, args(tmp_path / "e", max_steps=1), other).train()
+    assert not torch.equal(fresh_other.draft_token_ids, vocab)  # the control: other data gives another vocabulary

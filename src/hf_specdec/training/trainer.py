@@ -977,7 +977,8 @@ class DrafterTrainer:
             return self._finished_record(path)
         prepare_fresh_output_dir(args.output_dir, args.overwrite_output_dir, remove=self.accelerator.is_main_process)
         self.accelerator.wait_for_everyone()
-        if self.step == 0 and not self.is_peft:
+        if self.step == 0 and not self.is_peft and not self.unwrapped_drafter.config._name_or_path:
+            # A fresh drafter only (a loaded one keeps its draft vocabulary and weights when fine-tuned on new data).
             # Data first: a family's target initialisation may depend on it (e.g. the draft vocabulary's rows).
             self.unwrapped_drafter.init_from_data(self.token_counts())
             self.unwrapped_drafter.init_from_target(self.target)
