@@ -43,11 +43,11 @@ def score(drafter, target, features_dir, args) -> dict:
     held_out = OfflineFeatureDataset(features_dir)
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     targs = DrafterTrainingArguments(
-        output_dir=os.path.join(args.out, "scoring"), batch_size=args.batch_size, report_to="none",
-        mixed_precision=args.mixed_precision,
+        output_dir=os.path.join(args.out, "scoring"), per_device_eval_batch_size=args.batch_size, report_to="none",
+        bf16=args.mixed_precision == "bf16",
     )  # fmt: skip
     trainer = DrafterTrainer(drafter, target, targs, held_out, held_out, collate_fn=lambda b: collate_offline(b, pad))
-    metrics = trainer.evaluate()
+    metrics = trainer.draft_metrics()
     out = {"loss": round(metrics.loss, 5)}
     out.update({f"acc_{d}": round(a, 4) for d, a in enumerate(metrics.accuracy)})
     out["simulated_tau"] = round(metrics.rate("simulated_tau"), 4)
@@ -99,9 +99,9 @@ def main(argv=None):
 
     out = os.path.join(args.out, "drafter")
     targs = DrafterTrainingArguments(
-        output_dir=out, num_train_epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.lr,
-        warmup_ratio=0.03, save_steps=args.save_steps, eval_steps=args.save_steps * 4, logging_steps=20,
-        seed=args.seed, report_to="none", mixed_precision=args.mixed_precision,
+        output_dir=out, num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size, learning_rate=args.lr,
+        warmup_steps=0.03, save_steps=args.save_steps, eval_steps=args.save_steps * 4, logging_steps=20,
+        seed=args.seed, report_to="none", bf16=args.mixed_precision == "bf16",
     )  # fmt: skip
     resume = os.path.isdir(out) and any(name.startswith("checkpoint-") for name in os.listdir(out))
     drafter, record = train_drafter(

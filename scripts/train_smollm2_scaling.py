@@ -120,9 +120,9 @@ def main(argv=None):
         n = prefix_for_tokens(train_records, size)
         out = os.path.join(args.out, f"size-{size}")
         targs = DrafterTrainingArguments(
-            output_dir=out, num_train_epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.lr,
-            warmup_ratio=0.03, save_steps=args.save_steps, eval_steps=args.save_steps, logging_steps=20,
-            seed=args.seed, report_to="none", mixed_precision=args.mixed_precision,
+            output_dir=out, num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
+            learning_rate=args.lr, warmup_steps=0.03, save_steps=args.save_steps, eval_steps=args.save_steps, logging_steps=20,
+            seed=args.seed, report_to="none", bf16=args.mixed_precision == "bf16",
         )  # fmt: skip
         record_path = os.path.join(out, "training_record.json")
         if os.path.isfile(record_path):

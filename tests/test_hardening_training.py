@@ -34,12 +34,12 @@ def args(out, **kw):
     base = dict(
         output_dir=str(out),
         max_steps=4,
-        batch_size=4,
+        per_device_train_batch_size=4,
         learning_rate=3e-3,
         warmup_steps=1,
         save_steps=2,
         eval_steps=100,
-        progress=False,
+        disable_tqdm=True,
         report_to="none",
         seed=0,
     )
@@ -58,7 +58,7 @@ class Payload:
         return exec, (f"open({self.marker!r}, 'w').write('payload ran')",)
 
 
-@pytest.mark.parametrize("name", ["rng_state.pt", "optimizer.pt", "scheduler.pt"])
+@pytest.mark.parametrize("name", ["rng_state.pth", "optimizer.pt", "scheduler.pt"])
 def test_resume_refuses_a_checkpoint_carrying_a_pickle_payload(tmp_path, target, name):
     train = data()
     DrafterTrainer(fresh(target), target, args(tmp_path / "out", max_steps=4, stop_after_steps=2), train).train()
@@ -71,7 +71,7 @@ def test_resume_refuses_a_checkpoint_carrying_a_pickle_payload(tmp_path, target,
 
     resumed = DrafterTrainer(fresh(target), target, args(tmp_path / "out", max_steps=4), train)
     with pytest.raises(ValueError, match=rf"Refusing to resume from .*checkpoint-2: {name} holds a Python object"):
-        resumed.train(resume=True)
+        resumed.train(resume_from_checkpoint=True)
     assert not marker.exists(), "the pickle payload ran"
     assert resumed.step == 0
 
@@ -117,7 +117,7 @@ def test_a_crash_while_saving_a_step_again_keeps_a_complete_copy_of_it(tmp_path,
     real_replace = os.replace
 
     def crash_on_swap(src, dst, *a, **k):  # the process dies once the new folder is about to replace the old one
-        if ".checkpoint-4.tmp-" in str(src):
+        if ".checkpoint-4.tmp" in str(src):
             raise KeyboardInterrupt("killed while saving checkpoint-4 again")
         return real_replace(src, dst, *a, **k)
 
@@ -134,7 +134,7 @@ def test_a_crash_while_saving_a_step_again_keeps_a_complete_copy_of_it(tmp_path,
         latest = find_latest_checkpoint(str(out))
     resumed = DrafterTrainer(fresh(target), target, args(out), train)
     with pytest.warns(UserWarning, match="resuming from"):
-        resumed.train(resume=True)
+        resumed.train(resume_from_checkpoint=True)
     assert resumed.step == 4 and os.path.basename(latest).startswith(".checkpoint-4.old-")
     for k, v in resumed.unwrapped_drafter.state_dict().items():
         assert torch.equal(v, weights[k]), k
@@ -161,7 +161,7 @@ def test_resume_falls_back_to_the_newest_complete_checkpoint(tmp_path, target):
         UserWarning,
         match=r"'checkpoint-6', which is incomplete \(missing \['optimizer.pt'\]\); resuming from 'checkpoint-4'",
     ):
-        resumed.train(resume=True)
+        resumed.train(resume_from_checkpoint=True)
     assert steps == [5, 6]
 
     shutil.rmtree(out / "checkpoint-6")  # the pointer names a missing checkpoint
@@ -202,7 +202,7 @@ def test_resuming_a_finished_run_keeps_its_record(tmp_path, target):
     assert record["wall_time_s"] > 0
     saved = (out / "training_record.json").read_text()
     with pytest.warns(UserWarning, match="had already finished"):
-        again = DrafterTrainer(fresh(target), target, args(out), data()).train(resume=True)
+        again = DrafterTrainer(fresh(target), target, args(out), data()).train(resume_from_checkpoint=True)
     assert again == json.loads(saved)
     assert (out / "training_record.json").read_text() == saved
 
@@ -282,12 +282,12 @@ def test_a_full_disk_while_checkpointing_says_so_keeps_the_previous_checkpoint_a
         monkeypatch.setattr(torch, "save", _failing_writer(form))
     with pytest.raises(OSError, match=r"No space left on the device while saving checkpoint-4 in .*out.*the previous "
                                       r"checkpoint 'checkpoint-2' is intact.*rerun with --resume"):  # fmt: skip
-        resumed.train(resume=True)
+        resumed.train(resume_from_checkpoint=True)
     assert _leftovers(out) == []
     assert (out / "latest_checkpoint").read_text() == "checkpoint-2"
     assert _checkpoint_bytes(out / "checkpoint-2") == before
     monkeypatch.undo()
-    record = DrafterTrainer(fresh(target), target, args(out), data()).train(resume=True)  # space freed: it finishes
+    record = DrafterTrainer(fresh(target), target, args(out), data()).train(resume_from_checkpoint=True)  # space freed
     assert record["total_steps"] == 4 and find_latest_checkpoint(str(out)).endswith("checkpoint-4")
 
 
@@ -324,9 +324,9 @@ def test_a_really_full_disk_while_checkpointing_keeps_the_previous_checkpoint(sm
     with pytest.raises(
         OSError, match=r"No space left on the device while saving checkpoint-4.*'checkpoint-2' is intact"
     ):
-        DrafterTrainer(fresh(target), target, args(out), data()).train(resume=True)
+        DrafterTrainer(fresh(target), target, args(out), data()).train(resume_from_checkpoint=True)
     assert _leftovers(out) == [] and (out / "latest_checkpoint").read_text() == "checkpoint-2"
     assert _checkpoint_bytes(out / "checkpoint-2") == before
     os.remove(small_disk / "filler")
-    record = DrafterTrainer(fresh(target), target, args(out), data()).train(resume=True)
+    record = DrafterTrainer(fresh(target), target, args(out), data()).train(resume_from_checkpoint=True)
     assert record["total_steps"] == 4

@@ -81,7 +81,7 @@ def test_lora_adaptation_of_a_drafter_trains_only_the_adapter(tmp_path):
         args(tmp_path / "lora", max_steps=8, save_steps=3),
         data,
     )
-    again.train(resume=True)
+    again.train(resume_from_checkpoint=True)
     assert again.step == 8
 
 

@@ -127,7 +127,7 @@ def test_adapter_trains_through_the_features_against_the_frozen_target(tmp_path,
     before = lora_weights(trainer.target)
     assert before and all(p.abs().sum() == 0 for n, p in before.items() if "lora_B" in n)  # starts as the target
 
-    batch = trainer.collate_fn([data[i] for i in range(4)])
+    batch = trainer.data_collator([data[i] for i in range(4)])
     feats = trainer._features(batch)
     assert feats.last_hidden.requires_grad and not feats.teacher_last_hidden.requires_grad
     record = trainer.train()
@@ -184,7 +184,7 @@ def test_adapter_is_saved_and_resumed_with_the_drafter(tmp_path, data):
     assert find_latest_checkpoint(str(tmp_path / "b" / "out")).endswith("checkpoint-3")
     assert not os.path.exists(tmp_path / "b" / "out" / "model.safetensors")
     resumed = DrafterTrainer(toy(fresh_target(), seed=9), fresh_target(), run_args(tmp_path / "b"), data)
-    resumed.train(resume=True)
+    resumed.train(resume_from_checkpoint=True)
     for k, v in full.unwrapped_drafter.state_dict().items():
         assert torch.equal(resumed.unwrapped_drafter.state_dict()[k], v), k
     a = load_file(out / "target_adapter" / "adapter_model.safetensors")

@@ -176,8 +176,8 @@ def test_a_fixed_held_out_dump_and_a_training_prefix(workspace, tmp_path):
     kwargs = dict(dtype=torch.float32, batch_size=4, progress=False, log=lambda *a: None)
     dump_features(target, [dataset[i] for i in range(7)], layers, tmp_path / "train", **kwargs)
     dump_features(target, [dataset[i] for i in range(7, 10)], layers, tmp_path / "eval", **kwargs)
-    args = DrafterTrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, batch_size=2, report_to="none",
-                                    progress=False, eval_steps=1, save_steps=100)  # fmt: skip
+    args = DrafterTrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=2,
+                                    report_to="none", disable_tqdm=True, eval_steps=1, save_steps=100)  # fmt: skip
     _, record = train_drafter(target, tok, None, args, features_dir=str(tmp_path / "train"),
                               eval_features_dir=str(tmp_path / "eval"), max_train_examples=4)  # fmt: skip
     assert record["train_examples"] == 4 and record["eval_examples"] == 3

@@ -100,7 +100,7 @@ def test_declared_loss_kwargs_reach_compute_loss_and_others_are_refused(tmp_path
     ):
         DrafterTrainer(fresh(target), target, args(tmp_path, loss_kwargs={"lambda0": 0.2}), data)
     trainer = DrafterTrainer(fresh(target), target, args(tmp_path, loss_kwargs={"steps": 2}), data, data)
-    assert len(trainer.evaluate().accuracy) == 2  # K is 4: the loss kwarg set the TTT steps
+    assert len(trainer.draft_metrics().accuracy) == 2  # K is 4: the loss kwarg set the TTT steps
 
 
 def test_cli_loss_kwargs_and_stop_flags_parse():
@@ -138,7 +138,7 @@ def test_init_from_target_runs_on_fresh_drafters_only(tmp_path):
     assert not torch.equal(trainer.unwrapped_drafter.lm_head.weight, head)  # then trained from there
     resumed = CopiesHead(fresh(target).config)
     again = DrafterTrainer(resumed, target, args(tmp_path, max_steps=3, save_steps=2, eval_steps=2), data)
-    again.train(resume=True)
+    again.train(resume_from_checkpoint=True)
     assert len(calls) == 2  # not called again on resume
 
 

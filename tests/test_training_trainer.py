@@ -33,12 +33,12 @@ def args(tmp_path, **kw):
     base = dict(
         output_dir=str(tmp_path / "out"),
         max_steps=8,
-        batch_size=4,
+        per_device_train_batch_size=4,
         learning_rate=3e-3,
         warmup_steps=1,
         save_steps=4,
         eval_steps=4,
-        progress=False,
+        disable_tqdm=True,
         report_to="none",
         seed=0,
     )
@@ -60,9 +60,9 @@ def test_training_lowers_the_loss_raises_tau_and_leaves_the_target_alone(tmp_pat
     drafter = fresh(target)
     run_args = args(tmp_path, max_steps=40, eval_steps=20, save_steps=100, learning_rate=1e-2)
     trainer = DrafterTrainer(drafter, target, run_args, train, held_out)
-    start = trainer.evaluate()
+    start = trainer.draft_metrics()
     record = trainer.train()
-    end = trainer.evaluate()
+    end = trainer.draft_metrics()
     print("loss", start.loss, "->", end.loss, "tau", start.simulated_tau, "->", end.simulated_tau)
     assert end.loss < start.loss - 1.0
     assert end.simulated_tau > start.simulated_tau + 0.3
@@ -101,7 +101,7 @@ def test_resume_continues_the_same_loss_curve(tmp_path, target):
         interrupted.train()
     assert find_latest_checkpoint(str(tmp_path / "b" / "out")).endswith("checkpoint-4")
     resumed = DrafterTrainer(fresh(target, draft_vocab_size=None), target, args(tmp_path / "b"), data)
-    resumed.train(resume=True)
+    resumed.train(resume_from_checkpoint=True)
     assert [h["loss"] for h in resumed.history] == reference
     # Killed after a checkpoint and resumed from its files: the weights end bit for bit where the full run's end.
     end = full.unwrapped_drafter.state_dict()
@@ -118,12 +118,12 @@ def test_corrupt_or_incomplete_checkpoint_gives_a_clear_error(tmp_path, target):
         fh.write(b"not a checkpoint")
     again = DrafterTrainer(fresh(target), target, args(tmp_path, max_steps=6, save_steps=2), data)
     with pytest.raises(ValueError, match="is corrupt"):
-        again.train(resume=True)
+        again.train(resume_from_checkpoint=True)
     os.remove(os.path.join(ckpt, "optimizer.pt"))
     with pytest.raises(ValueError, match="incomplete"):  # named explicitly: no fallback to another checkpoint
-        again.train(resume=ckpt)
+        again.train(resume_from_checkpoint=ckpt)
     with pytest.raises(ValueError, match="no checkpoint found"):
-        DrafterTrainer(fresh(target), target, args(tmp_path / "empty"), data).train(resume=True)
+        DrafterTrainer(fresh(target), target, args(tmp_path / "empty"), data).train(resume_from_checkpoint=True)
 
 
 def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, target, monkeypatch):
@@ -144,20 +144,20 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, target, mo
     assert not os.path.exists(tmp_path / "out" / "checkpoint-4")
     monkeypatch.setattr(torch, "save", real_save)
     resumed = DrafterTrainer(fresh(target), target, args(tmp_path, max_steps=4, save_steps=2), data)
-    resumed.train(resume=True)
+    resumed.train(resume_from_checkpoint=True)
     assert resumed.step == 4
 
 
 def test_bad_arguments_fail_early(tmp_path):
-    with pytest.raises(ValueError, match="mixed_precision"):
-        DrafterTrainingArguments(output_dir=str(tmp_path), mixed_precision="fp8")
-    with pytest.raises(ValueError, match="batch_size"):
-        DrafterTrainingArguments(output_dir=str(tmp_path), batch_size=0)
+    with pytest.raises(ValueError, match="per_device_train_batch_size"):
+        DrafterTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=0)
+    with pytest.raises(ValueError, match="learning_rate"):
+        DrafterTrainingArguments(output_dir=str(tmp_path), learning_rate=0.0)
 
 
 def test_bf16_mixed_precision_and_gradient_accumulation_run(tmp_path, target):
     data = self_distilled(target, 8)
-    run = args(tmp_path, max_steps=2, mixed_precision="bf16", gradient_accumulation_steps=2, save_steps=100)
+    run = args(tmp_path, max_steps=2, bf16=True, gradient_accumulation_steps=2, save_steps=100)
     trainer = DrafterTrainer(fresh(target), target, run, data)
     record = trainer.train()
     assert record["steps"] == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.history)
@@ -187,12 +187,35 @@ def test_fine_tuning_a_loaded_drafter_keeps_its_draft_vocabulary_and_weights(tmp
     drafter.save_pretrained(tmp_path / "trained")
     loaded = AutoModelForDrafting.from_pretrained(tmp_path / "trained")
     vocab = loaded.draft_token_ids.clone()
-    before = DrafterTrainer(loaded, target, args(tmp_path / "b"), first).evaluate(first).loss
+    before = DrafterTrainer(loaded, target, args(tmp_path / "b"), first).draft_metrics(first).loss
     other = self_distilled(target, 8, seed=5)
     DrafterTrainer(loaded, target, args(tmp_path / "c", max_steps=1, learning_rate=1e-6), other).train()
     assert torch.equal(loaded.draft_token_ids, vocab)
-    after = DrafterTrainer(loaded, target, args(tmp_path / "d"), first).evaluate(first).loss
-    assert after == pytest.approx(before, rel=0.02)  # one tiny step: still the trained drafter, not a re-initialised one
+    after = DrafterTrainer(loaded, target, args(tmp_path / "d"), first).draft_metrics(first).loss
+    # One tiny step: still the trained drafter, not a re-initialised one.
+    assert after == pytest.approx(before, rel=0.02)
     fresh_other = fresh(target, draft_vocab_size=48)
     DrafterTrainer(fresh_other, target, args(tmp_path / "e", max_steps=1), other).train()
     assert not torch.equal(fresh_other.draft_token_ids, vocab)  # the control: other data gives another vocabulary
+
+
+def test_plain_training_arguments_work_and_trainer_options_it_cannot_honour_are_refused(tmp_path, target):
+    from transformers import Trainer, TrainingArguments
+
+    data = self_distilled(target, 8)
+    plain = TrainingArguments(output_dir=str(tmp_path / "plain"), max_steps=3, per_device_train_batch_size=4,
+                              save_steps=2, report_to="none", disable_tqdm=True, use_cpu=True)  # fmt: skip
+    trainer = DrafterTrainer(fresh(target), target, plain, data, eval_dataset=data)
+    assert isinstance(trainer, Trainer)
+    record = trainer.train()
+    assert record["steps"] == 3 and len(trainer.history) == 3
+    assert sorted(n for n in os.listdir(tmp_path / "plain") if n.startswith("checkpoint-")) == [
+        "checkpoint-2",
+        "checkpoint-3",
+    ]
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] == pytest.approx(trainer.draft_metrics().loss) and "eval_acc_0" in metrics
+    with pytest.raises(ValueError, match="load_best_model_at_end is not supported"):
+        DrafterTrainer(fresh(target), target, args(tmp_path / "best", load_best_model_at_end=True), data, data)
+    with pytest.raises(ValueError, match="push_to_hub is not supported .*hf-specdec push"):
+        DrafterTrainer(fresh(target), target, args(tmp_path / "hub", push_to_hub=True), data)

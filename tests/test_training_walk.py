@@ -96,7 +96,7 @@ def test_walked_tau_equals_the_tau_generate_measures(setup, k, trained, tmp_path
     # The trainer's metric is that walk: its simulated τ is the loop's τ without each row's last pass.
     dataset = DrafterDataset([{"input_ids": r.tolist(), "loss_mask": m.tolist()} for r, m in zip(seqs, loss_mask)])
     run = args(tmp_path, max_steps=1, loss_kwargs={"steps": k})
-    metrics = DrafterTrainer(drafter, target, run, dataset, dataset).evaluate()
+    metrics = DrafterTrainer(drafter, target, run, dataset, dataset).draft_metrics()
     assert metrics.simulated_tau == pytest.approx(sum(loop_passes) / len(loop_passes), abs=1e-12)
     assert len(metrics.accuracy) == k
 

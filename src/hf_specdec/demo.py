@@ -268,9 +268,9 @@ def train_demo_drafter(
     args = DrafterTrainingArguments(
         output_dir=os.path.join(out_dir, "drafter"),
         max_steps=max_steps,
-        batch_size=batch_size,
+        per_device_train_batch_size=batch_size,
         learning_rate=learning_rate,
-        warmup_ratio=0.03,
+        warmup_steps=0.03,
         save_steps=100,
         eval_steps=100,
         logging_steps=20,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from .common import add_target_args, drafter_overrides, json_or_text, load_target
 
 
@@ -19,6 +21,13 @@ def _loss_kwargs(args) -> dict | None:
     return out or None
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text}")
+    return value
+
+
 def _train(args) -> int:
     from ..training.recipes import train_drafter
     from ..training.trainer import DrafterTrainingArguments
@@ -28,14 +37,15 @@ def _train(args) -> int:
         output_dir=args.output_dir,
         num_train_epochs=args.epochs,
         max_steps=args.max_steps,
-        batch_size=args.batch_size,
+        per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum,
         learning_rate=args.lr,
         weight_decay=args.weight_decay,
-        warmup_ratio=args.warmup_ratio,
+        warmup_steps=args.warmup_ratio,  # below 1: TrainingArguments reads it as a fraction of the run
         lr_scheduler_type=args.scheduler,
         max_grad_norm=args.max_grad_norm,
-        mixed_precision=args.mixed_precision,
+        bf16=args.mixed_precision == "bf16",
+        fp16=args.mixed_precision == "fp16",
         loss_kwargs=_loss_kwargs(args),
         stop_after_steps=args.stop_after_steps,
         overwrite_output_dir=args.overwrite_output_dir,
@@ -92,7 +102,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--warmup-ratio", type=float, default=0.03)
+    p.add_argument("--warmup-ratio", type=_fraction, default=0.03, help="warmup, as a fraction of the run (< 1)")
     p.add_argument("--scheduler", default="cosine")
     p.add_argument("--max-grad-norm", type=float, default=0.5)
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])

@@ -175,7 +175,7 @@ def train_drafter(
             raise ValueError("eval_features_dir and max_train_examples apply to offline features (features_dir).")
         train, held_out, info = build_datasets(data, tokenizer, max_length, eval_fraction, args.seed)
     trainer = DrafterTrainer(model, target, args, train, held_out, collate_fn=collate, data_info=info)
-    record = trainer.train(resume=resume)
+    record = trainer.train(resume_from_checkpoint=resume)
     return trainer.unwrapped_drafter, record
 
 
