@@ -10,8 +10,12 @@ tokens, while Spec-Bench's documents run to several thousand characters and its 
    records are the same hash rule as the scaling curve (``--eval-every``; the chat held-out set is the curve's);
 2. features: the bf16 target's features over the mix and over both held-out sets (``dump_features``, resumable);
 3. training: from ``--drafter`` (default: the shipped drafter) for ``--epochs``, resumable from its checkpoints;
-4. results: both held-out sets scored before and after (acc_0..4, simulated tau) in
-   ``model_cards/results/smollm2-eagle3-long.json``.
+4. results: both held-out sets scored before and after (acc_0..4, simulated tau, the share of their loss tokens in
+   the draft vocabulary) in ``--results`` (default ``model_cards/results/smollm2-eagle3-long.json``).
+
+``--draft-vocab-size N`` widens the drafter's draft vocabulary before the fine-tune (the three-epoch drafter's 4,096
+tokens cover 90.5 % of the held-out chat answers' tokens and 87.5 % of the long-context ones; a token outside it is
+always rejected): the training data's most frequent other tokens join it, starting from the target's LM-head rows.
 
 Usage::
 
@@ -51,7 +55,17 @@ def score(drafter, target, features_dir, args) -> dict:
     out = {"loss": round(metrics.loss, 5)}
     out.update({f"acc_{d}": round(a, 4) for d, a in enumerate(metrics.accuracy)})
     out["simulated_tau"] = round(metrics.rate("simulated_tau"), 4)
+    out["vocab_coverage"] = round(vocab_coverage(drafter, held_out), 4)
     return out
+
+
+def vocab_coverage(drafter, dataset) -> float:
+    """The share of the loss tokens of ``dataset`` that are in ``drafter``'s draft vocabulary (a token outside it
+    can never be drafted)."""
+    from hf_specdec.training.data import loss_token_counts
+
+    counts = loss_token_counts(dataset, drafter.config.target_vocab_size)
+    return float(counts[drafter.draft_token_ids.cpu()].sum() / counts.sum())
 
 
 def main(argv=None):
@@ -68,6 +82,13 @@ def main(argv=None):
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="widen the drafter's draft vocabulary to this size first (the training data's most frequent other "
+        "tokens join it; trained weights kept); the drafter then goes to OUT/drafter-vocabN",
+    )
     p.add_argument("--save-steps", type=int, default=100)
     p.add_argument("--mixed-precision", default="bf16", choices=["no", "bf16"])
     p.add_argument("--threads", type=int, default=2)
@@ -97,7 +118,9 @@ def main(argv=None):
     before = {name: score(start, target, dirs[f"eval-{name}"], args) for name in ("chat", "long")}
     print(f"before: {before}")
 
-    out = os.path.join(args.out, "drafter")
+    out = os.path.join(
+        args.out, "drafter" if args.draft_vocab_size is None else f"drafter-vocab{args.draft_vocab_size}"
+    )
     targs = DrafterTrainingArguments(
         output_dir=out, num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size, learning_rate=args.lr,
         warmup_steps=0.03, save_steps=args.save_steps, eval_steps=args.save_steps * 4, logging_steps=20,
@@ -107,6 +130,7 @@ def main(argv=None):
     drafter, record = train_drafter(
         target, tokenizer, None, targs, drafter=args.drafter, features_dir=dirs["train"],
         eval_features_dir=dirs["eval-long"], resume=resume,
+        drafter_overrides=None if args.draft_vocab_size is None else {"draft_vocab_size": args.draft_vocab_size},
     )  # fmt: skip
     after = {name: score(drafter, target, dirs[f"eval-{name}"], args) for name in ("chat", "long")}
     print(f"after: {after}")
@@ -121,6 +145,7 @@ def main(argv=None):
         },
         "held_out_records": {"chat": len(chat_eval), "long": len(long_eval)},
         "settings": {k: getattr(args, k) for k in ("epochs", "batch_size", "lr", "max_length", "mixed_precision")},
+        "draft_vocab_size": {"before": start.config.draft_vocab_size, "after": drafter.config.draft_vocab_size},
         "command": "python scripts/train_smollm2_long.py " + shlex.join(sys.argv[1:] if argv is None else argv),
         "steps": record.get("steps"),
         "wall_time_s": record.get("wall_time_s"),

@@ -12,8 +12,9 @@ state for verified slots, the layer's own previous output for drafted ones. The 
 * optionally ``new_draft_cache()`` (default: one :class:`~hf_specdec.layers.SlotKVCache`) and
   ``draft_cache_index(step)`` (default 0): families whose steps write to different caches say which;
 
-and mixes in :class:`~hf_specdec.modeling_utils.ReducedVocabularyMixin`. This mixin gives the draft state, ``observe``,
-chain ``propose`` (with an optional confidence stop) and tree drafting (``tree_start`` / ``tree_expand``).
+and registers its draft vocabulary (:meth:`~hf_specdec.DrafterPreTrainedModel.register_vocabulary_buffers`). This
+mixin gives the draft state, ``observe``, chain ``propose`` (with an optional confidence stop) and tree drafting
+(``tree_start`` / ``tree_expand``).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ next depth (Cartesian-product trees, e.g. a :class:`~hf_specdec.tree.StaticTree`
 
 A family mixes :class:`ParallelHeadsMixin` into its :class:`~hf_specdec.DrafterPreTrainedModel` subclass and
 implements :meth:`~ParallelHeadsMixin.heads_forward` (``(..., hidden) -> (..., num_heads, draft_vocab)``) and the
-``num_heads`` property, and mixes in :class:`~hf_specdec.modeling_utils.ReducedVocabularyMixin` too (the heads'
-vocabulary may be a reduced draft vocabulary); it reads one target state (``config.target_layer_ids``, by default the final hidden state,
+``num_heads`` property, and registers its draft vocabulary too (the heads' vocabulary may be a reduced draft
+vocabulary: :meth:`~hf_specdec.DrafterPreTrainedModel.register_vocabulary_buffers`); it reads one target state (``config.target_layer_ids``, by default the final hidden state,
 the LM head's input).
 """
 

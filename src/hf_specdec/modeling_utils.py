@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import threading
 from dataclasses import dataclass, field
@@ -25,7 +26,8 @@ PASS_TIMES_FILE = "pass_times.json"
 
 __all__ = [
     "DrafterPreTrainedModel",
-    "ReducedVocabularyMixin",
+    "FAMILY_CONTRACT",
+    "check_family_contract",
     "DraftLossOutput",
     "depthwise_distillation_loss",
     "DEFAULT_LOSS_RATES",
@@ -164,6 +166,30 @@ def target_vocab_size(target: nn.Module) -> int | None:
     return None if vocab is None else int(vocab)
 
 
+# What a drafter class must implement, by the capability that asks for it (``None``: every drafter).
+FAMILY_CONTRACT: dict[str | None, tuple[str, ...]] = {
+    None: ("init_draft_state", "observe", "propose"),
+    "supports_tree_drafting": ("tree_start", "tree_expand"),
+    "trains_target_adapter": ("target_adapter_config",),
+}
+
+
+def check_family_contract(cls: type) -> None:
+    """Raises `TypeError` naming the methods of :data:`FAMILY_CONTRACT` that ``cls`` leaves to the base class."""
+    missing = [
+        name
+        for capability, names in FAMILY_CONTRACT.items()
+        if capability is None or getattr(cls, capability, False)
+        for name in names
+        if getattr(cls, name) is getattr(DrafterPreTrainedModel, name)
+    ]
+    if missing:
+        raise TypeError(
+            f"{cls.__name__} does not implement {missing}, which every drafter with its capabilities must "
+            "(DrafterPreTrainedModel's family contract)."
+        )
+
+
 class DrafterPreTrainedModel(PreTrainedModel):
     """Base class of all drafters.
 
@@ -181,11 +207,17 @@ class DrafterPreTrainedModel(PreTrainedModel):
     * ``trains_target_adapter``: the trainer puts :meth:`target_adapter_config` on the target and trains it with the
       drafter, in the groups of :meth:`optimizer_param_groups` (self-distilled joint fine-tuning).
 
-    The proposal interface the loop calls:
+    The family contract (:data:`FAMILY_CONTRACT`; a drafter class that lacks a part is refused when it is built,
+    naming what is missing):
 
-    * :meth:`init_draft_state` once per ``generate`` call,
-    * :meth:`observe` with the verified context after the prefill and after each target pass,
-    * :meth:`propose` to draft the next tokens.
+    * decoding, every family: :meth:`init_draft_state` once per ``generate`` call, :meth:`observe` with the verified
+      context after the prefill and after each target pass, :meth:`propose` to draft the next tokens;
+    * trees, a family with ``supports_tree_drafting``: :meth:`tree_start` and :meth:`tree_expand`;
+    * a target adapter, a family with ``trains_target_adapter``: :meth:`target_adapter_config`;
+    * training: :meth:`compute_loss` (a family without it decodes but cannot be trained; the trainer refuses it);
+      optionally :meth:`loss_schedule`, :meth:`optimizer_param_groups`, :meth:`init_from_target`,
+      :meth:`init_from_data` (the draft vocabulary is built here already);
+    * layouts: a family's ``convert_*`` module registers the checkpoint layouts it imports and exports.
     """
 
     config_class = DrafterConfig
@@ -228,6 +260,7 @@ class DrafterPreTrainedModel(PreTrainedModel):
     max_draft_depth_source: ClassVar[str] = ""
 
     def __init__(self, config: DrafterConfig, *args, **kwargs):
+        check_family_contract(type(self))
         config.validate_drafter(require_complete=True)
         super().__init__(config, *args, **kwargs)
         # Plain dict: keeps borrowed target modules out of `named_modules()` / `state_dict()`.
@@ -341,9 +374,6 @@ class DrafterPreTrainedModel(PreTrainedModel):
                 "was saved from a training run that diverged: download it again, or retrain (a lower learning rate, "
                 "or bf16 instead of fp16, usually keeps training finite)."
             )
-
-    def check_loaded_weights(self) -> None:
-        """Family hook run after `from_pretrained` to validate loaded tensors (e.g. vocabulary maps)."""
 
     # ------------------------------------------------------------------------------------------------------------
     # binding to a target
@@ -502,6 +532,8 @@ class DrafterPreTrainedModel(PreTrainedModel):
             depth = getattr(text, "num_hidden_layers", "?")
             what = f"{depth}-layer target" + (f" (vocabulary {vocab})" if vocab else "")
             raise ValueError(f"{type(self).__name__} cannot be bound to this {what}: {err}") from err
+        if vocab is not None and self.has_vocabulary_maps:  # the (until then empty) maps of a full vocabulary
+            self.register_vocabulary_buffers(cfg, device=self.t2d.device)
 
     def check_target_layer_ids(self) -> None:
         """Family hook: raises `ValueError` when ``config.target_layer_ids`` do not fit the weights (e.g. the number
@@ -675,12 +707,6 @@ class DrafterPreTrainedModel(PreTrainedModel):
         as a copy of the target's LM head (residual heads). Called by the trainer on a drafter that does not resume
         from a checkpoint, after :meth:`bind_target` and :meth:`init_from_data`. Default: nothing."""
 
-    def init_from_data(self, token_counts: torch.Tensor) -> None:
-        """Data-dependent initialisation before training (e.g. a reduced draft vocabulary from token frequencies).
-
-        ``token_counts`` is a ``(target_vocab_size,)`` count of tokens in the training data. Default: nothing.
-        """
-
     def push_to_hub(
         self,
         repo_id: str,
@@ -724,31 +750,15 @@ class DrafterPreTrainedModel(PreTrainedModel):
                 datasets=datasets,
             )
 
-    def draft_to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Maps draft-vocabulary logits to the target vocabulary (``-inf`` outside the draft vocabulary)."""
-        if self.config.draft_vocab_size == self.config.target_vocab_size:
-            return logits
-        ids = self.draft_token_ids.to(logits.device)
-        full = logits.new_full((*logits.shape[:-1], self.config.target_vocab_size), float("-inf"))
-        full[..., ids] = logits
-        return full
-
-    @property
-    def draft_token_ids(self) -> torch.LongTensor:
-        """Target ids of the draft vocabulary, in draft order (identity when the vocabulary is not reduced)."""
-        return torch.arange(self.config.draft_vocab_size, device=self.device)
-
-
-class ReducedVocabularyMixin:
-    """A draft vocabulary smaller than the target's, mapped to target ids (the ``d2t`` / ``t2d`` layout of the reference
-    implementations).
-
-    Buffer ``d2t`` maps draft id ``i`` to target id ``i + d2t[i]``; ``t2d`` marks the target ids in the draft
-    vocabulary. A family calls :meth:`register_vocabulary_buffers` in ``__init__`` and gets the mapping, its checks
-    (run after loading), the frequency-based choice of the vocabulary (:meth:`init_from_data`) and the copy of the
-    target's LM-head rows into its own output layers (:meth:`copy_target_head_rows`).
-    """
-
+    # ------------------------------------------------------------------------------------------------------------
+    # the draft vocabulary: the target's, or a reduced one mapped to target ids
+    # ------------------------------------------------------------------------------------------------------------
+    # A draft vocabulary smaller than the target's is mapped to target ids in the ``d2t`` / ``t2d`` layout of the
+    # reference implementations: buffer ``d2t`` maps draft id ``i`` to target id ``i + d2t[i]``; ``t2d`` marks the
+    # target ids in the draft vocabulary. A family calls :meth:`register_vocabulary_buffers` in ``__init__`` and gets
+    # the mapping, its checks (run after loading), the frequency-based choice of the vocabulary
+    # (:meth:`init_from_data`) and the copy of the target's LM-head rows into its own output layers
+    # (:meth:`copy_target_head_rows`).
     def register_vocabulary_buffers(self, config, device=None) -> None:
         # Empty while the target's vocabulary is unresolved (a checkpoint that does not record it); sized by
         # `resolve_target_facts` when `bind_target` resolves it.
@@ -758,22 +768,38 @@ class ReducedVocabularyMixin:
         t2d[:draft] = True
         self.register_buffer("t2d", t2d)
 
-    def resolve_target_facts(self, target: nn.Module) -> None:
-        """As the base class's; a vocabulary it resolves also sizes the (until then empty) ``d2t`` / ``t2d``."""
-        super().resolve_target_facts(target)
-        if self.t2d.numel() != self.config.target_vocab_size:  # the vocabulary was just resolved: a full one
-            self.register_vocabulary_buffers(self.config, device=self.t2d.device)
-
     @property
     def reduced_vocabulary(self) -> bool:
         return self.config.draft_vocab_size != self.config.target_vocab_size
 
     @property
+    def has_vocabulary_maps(self) -> bool:
+        """Whether the family registered ``d2t`` / ``t2d`` (a family that always drafts over the target's full
+        vocabulary, e.g. a layer the target ships with, registers none)."""
+        return "d2t" in self._buffers
+
+    @property
     def draft_token_ids(self) -> torch.LongTensor:
+        """Target ids of the draft vocabulary, in draft order (identity when the vocabulary is not reduced)."""
+        if not self.has_vocabulary_maps:
+            return torch.arange(self.config.draft_vocab_size, device=self.device)
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def draft_to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Maps draft-vocabulary logits to the target vocabulary (``-inf`` outside the draft vocabulary)."""
+        if not self.reduced_vocabulary:
+            return logits
+        ids = self.draft_token_ids.to(logits.device)
+        full = logits.new_full((*logits.shape[:-1], self.config.target_vocab_size), float("-inf"))
+        full[..., ids] = logits
+        return full
 
     def set_draft_vocab(self, target_token_ids: torch.LongTensor) -> None:
         """Sets the reduced draft vocabulary from sorted target ids (``draft_vocab_size`` of them)."""
+        if not self.has_vocabulary_maps:
+            raise ValueError(
+                f"{type(self).__name__} drafts over the target's full vocabulary; it has no draft vocabulary to set."
+            )
         ids = torch.as_tensor(target_token_ids, dtype=torch.long).flatten().sort().values
         if ids.numel() != self.config.draft_vocab_size or ids.unique().numel() != ids.numel():
             raise ValueError(
@@ -787,12 +813,14 @@ class ReducedVocabularyMixin:
         self.t2d[ids.to(self.t2d.device)] = True
 
     def check_loaded_weights(self) -> None:
+        """Validates loaded tensors after `from_pretrained`: the vocabulary maps here; a family adds its own checks
+        (calling this one)."""
         self.check_draft_vocab()
 
     def check_draft_vocab(self) -> None:
         """Raises if ``d2t`` / ``t2d`` are inconsistent (e.g. a checkpoint with an all-zero ``d2t`` but a reduced
         vocabulary that is not the first ids)."""
-        if self.config.target_vocab_size is None:  # unresolved until bind_target: a full vocabulary, no maps yet
+        if self.config.target_vocab_size is None or not self.has_vocabulary_maps:  # unresolved, or no maps at all
             return
         name = type(self).__name__
         ids = self.draft_token_ids
@@ -805,13 +833,51 @@ class ReducedVocabularyMixin:
             )
 
     def init_from_data(self, token_counts: torch.Tensor) -> None:
-        """Builds the reduced draft vocabulary from token frequencies (the most frequent ids, sorted by id)."""
+        """Data-dependent initialisation before training: the reduced draft vocabulary from token frequencies (the
+        most frequent ids, sorted by id). ``token_counts`` is a ``(target_vocab_size,)`` count of tokens in the
+        training data. A family adds its own (calling this one)."""
         if not self.reduced_vocabulary:
             return
         counts = token_counts.to(torch.float64).clone()
         # Ties (and never-seen ids) are broken by id, so the choice is deterministic.
         order = torch.argsort(-counts, stable=True)
         self.set_draft_vocab(order[: self.config.draft_vocab_size])
+
+    @torch.no_grad()
+    def widened_draft_vocabulary(
+        self, draft_vocab_size: int, token_counts: torch.Tensor, target: nn.Module
+    ) -> DrafterPreTrainedModel:
+        """A copy of this (trained) drafter whose draft vocabulary is its own plus the most frequent other tokens of
+        ``token_counts`` (ties by id), ``draft_vocab_size`` in all. Fine-tuning it then teaches the new tokens
+        without starting over.
+
+        Every trained weight is kept; a weight with a draft-vocabulary dimension keeps its trained rows (moved to
+        their tokens' new places: the draft order is the target ids' order) and gets rows for the new tokens from the
+        target's LM-head rows of those tokens, through the affine map that best takes the target's rows of the old
+        tokens to the trained rows (least squares). The target's rows themselves would not do: the drafter's output
+        space has drifted from the target's in training, and raw target rows outscore the trained ones everywhere."""
+        name, old_size = type(self).__name__, self.config.draft_vocab_size
+        if not self.has_vocabulary_maps:
+            raise ValueError(f"{name} drafts over the target's full vocabulary; there is no draft vocabulary to widen.")
+        if not old_size < draft_vocab_size <= self.config.target_vocab_size:
+            raise ValueError(
+                f"A draft vocabulary can only grow: {name} has {old_size} tokens, the target "
+                f"{self.config.target_vocab_size}; got draft_vocab_size={draft_vocab_size}."
+            )
+        old_ids = self.draft_token_ids.cpu()
+        counts = token_counts.to(torch.float64).clone()
+        counts[old_ids] = float("-inf")
+        new_ids = torch.cat([old_ids, torch.argsort(-counts, stable=True)[: draft_vocab_size - old_size]]).sort().values
+        config = copy.deepcopy(self.config)
+        config.draft_vocab_size = draft_vocab_size
+        wider = type(self)(config).to(device=self.device, dtype=self.dtype)
+        wider.set_draft_vocab(new_ids)
+        rows = _VocabularyRows(target.get_output_embeddings().weight, old_ids, new_ids)
+        for key, value in self.state_dict().items():
+            if key not in ("d2t", "t2d"):
+                rows.copy_into(wider.state_dict()[key], value, f"{name}.{key}")
+        wider.config.name_or_path = self.config.name_or_path  # a trained drafter: never initialised again
+        return wider.train(self.training)
 
     def target_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's (borrowed) LM head on ``hidden``, restricted to the draft vocabulary's rows when it is
@@ -899,3 +965,33 @@ class ReducedVocabularyMixin:
         """The ``vocab_ids`` argument of a :class:`~hf_specdec.types.TokenSelector` (``None`` for the
         full vocabulary)."""
         return self.draft_token_ids if self.reduced_vocabulary else None
+
+
+class _VocabularyRows:
+    """Moves a drafter's weights to a wider draft vocabulary (see
+    :meth:`DrafterPreTrainedModel.widened_draft_vocabulary`): the trained rows to their new places, and the new
+    tokens' rows from the target's LM-head rows through the least-squares affine map fitted on the old tokens."""
+
+    def __init__(self, target_head: torch.Tensor, old_ids: torch.Tensor, new_ids: torch.Tensor):
+        head = target_head.detach().to("cpu", torch.float64)
+        with_one = torch.cat([head, head.new_ones(head.shape[0], 1)], dim=1)  # [row, 1]: the map's intercept
+        self.places = torch.searchsorted(new_ids, old_ids)
+        added = torch.ones(new_ids.numel(), dtype=torch.bool)
+        added[self.places] = False
+        self.added = added.nonzero().flatten()
+        self.old_rows, self.added_rows = with_one[old_ids], with_one[new_ids[self.added]]
+        self.old_size, self.new_size = old_ids.numel(), new_ids.numel()
+
+    def copy_into(self, dest: torch.Tensor, value: torch.Tensor, name: str) -> None:
+        differ = [d for d in range(value.dim()) if value.shape[d] != dest.shape[d]]
+        if not differ:
+            dest.copy_(value)
+            return
+        dim = differ[0]
+        if len(differ) > 1 or value.shape[dim] != self.old_size or dest.shape[dim] != self.new_size:
+            raise ValueError(f"{name} changes shape beyond its draft vocabulary ({value.shape} -> {dest.shape}).")
+        dest.index_copy_(dim, self.places.to(dest.device), value.to(dest))
+        trained = value.detach().movedim(dim, 0).reshape(self.old_size, -1).to("cpu", torch.float64)
+        mapping = torch.linalg.lstsq(self.old_rows, trained).solution
+        added = (self.added_rows @ mapping).reshape(-1, *value.movedim(dim, 0).shape[1:]).movedim(0, dim)
+        dest.index_copy_(dim, self.added.to(dest.device), added.to(dest))

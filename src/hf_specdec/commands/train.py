@@ -110,7 +110,13 @@ def add_parsers(sub) -> None:
     p.add_argument("--loss-kwarg", action="append", metavar="KEY=VALUE", help="a loss kwarg the family declares")
     p.add_argument("--stop-after-steps", type=int, default=-1, help="stop after this step; --resume goes on")
     p.add_argument("--num-draft-tokens", type=int, default=None)
-    p.add_argument("--draft-vocab-size", type=int, default=None)
+    p.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="a fresh drafter's draft vocabulary; with a trained --drafter, widen its vocabulary to this size (the "
+        "data's most frequent other tokens join it, trained weights kept)",
+    )
     p.add_argument("--layer-ids", type=int, nargs="+", default=None)
     p.add_argument(
         "--config",

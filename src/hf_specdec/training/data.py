@@ -31,6 +31,7 @@ __all__ = [
     "load_records",
     "RecordList",
     "check_token_ids",
+    "loss_token_counts",
     "record_kind",
     "tokenize_record",
     "DrafterDataset",
@@ -673,6 +674,19 @@ def check_token_ids(dataset: Any, vocab_size: int, split: str = "training") -> l
             where = source or f"{split} example {i}"
             raise ValueError(f"{where}: {_token_id_error(bad[1], bad[0], vocab_size)}.")
     return lengths
+
+
+def loss_token_counts(dataset: Any, vocab_size: int) -> torch.Tensor:
+    """``(vocab_size,)`` counts of the tokens that carry loss in ``dataset`` (the tokens a drafter learns to draft;
+    ids are checked against the vocabulary first, :func:`check_token_ids`)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    examples = getattr(dataset, "examples", None)
+    for i in range(len(dataset)):
+        item = examples[i] if examples is not None else dataset[i]
+        ids = torch.as_tensor(item["input_ids"])
+        mask = torch.as_tensor(item["loss_mask"]).bool()
+        counts += torch.bincount(ids[mask], minlength=vocab_size)
+    return counts
 
 
 def check_has_loss_tokens(dataset: Any) -> None:

@@ -137,15 +137,54 @@ def train_drafter(
     used), so runs on different amounts of training data are scored on the same examples; ``max_train_examples``
     trains on the first N training examples only (a data-scaling run on a prefix of one dump).
 
+    ``drafter_overrides={"draft_vocab_size": N}`` with a trained drafter (a path or a model) widens its draft
+    vocabulary to ``N`` before fine-tuning (:meth:`~hf_specdec.DrafterPreTrainedModel.widened_draft_vocabulary`:
+    the training data's most frequent other tokens join it, every trained weight is kept); no other override applies
+    to a trained drafter.
+
     Returns:
         ``(drafter, training_record)``.
     """
     from transformers import set_seed
 
     set_seed(args.seed)  # a fresh drafter's initialisation is part of a reproducible run
-    model = make_drafter(target, drafter, **(drafter_overrides or {}))
+    overrides = dict(drafter_overrides or {})
+    widen_to = _vocabulary_to_widen(drafter, overrides)
+    model = make_drafter(target, drafter, **overrides)
+    train, held_out, collate, info = _training_data(
+        model, target, tokenizer, data, features_dir, eval_features_dir, max_train_examples, max_length,
+        eval_fraction, args.seed,
+    )  # fmt: skip
+    if widen_to is not None:
+        from .data import loss_token_counts
+
+        counts = loss_token_counts(train, model.config.target_vocab_size)
+        model = model.widened_draft_vocabulary(widen_to, counts, target)
     if lora:
         model = add_lora(model, **lora)
+    trainer = DrafterTrainer(model, target, args, train, held_out, collate_fn=collate, data_info=info)
+    record = trainer.train(resume_from_checkpoint=resume)
+    return trainer.unwrapped_drafter, record
+
+
+def _vocabulary_to_widen(drafter, overrides: dict) -> int | None:
+    """The larger draft vocabulary asked for a trained drafter (``draft_vocab_size`` among the overrides of a
+    drafter given by path or as a model, taken out of them); ``None`` for a fresh drafter or no such override."""
+    from ..modeling_utils import DrafterPreTrainedModel
+    from ..registry import DRAFTERS
+
+    fresh = drafter is None or (isinstance(drafter, str) and drafter in DRAFTERS)
+    if fresh or "draft_vocab_size" not in overrides:
+        return None
+    size = int(overrides.pop("draft_vocab_size"))
+    if isinstance(drafter, DrafterPreTrainedModel) and size == drafter.config.draft_vocab_size:
+        return None
+    return size
+
+
+def _training_data(model, target, tokenizer, data, features_dir, eval_features_dir, max_train_examples, max_length,
+                   eval_fraction, seed):  # fmt: skip
+    """``(train, held_out, collate, info)``: offline features from ``features_dir``, else records from ``data``."""
     collate = None
     if features_dir:
         from .data import split_train_eval
@@ -159,7 +198,7 @@ def train_drafter(
             held_out.check_compatible(model.config)
             held_out.check_target(target, tokenizer)
         else:
-            train, held_out = _split_indices(dataset, eval_fraction, args.seed, split_train_eval)
+            train, held_out = _split_indices(dataset, eval_fraction, seed, split_train_eval)
         if max_train_examples is not None:
             train = torch.utils.data.Subset(train, range(min(max_train_examples, len(train))))
         pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
@@ -173,10 +212,8 @@ def train_drafter(
             raise ValueError("Pass training data (a JSONL file) or an offline features directory.")
         if eval_features_dir or max_train_examples is not None:
             raise ValueError("eval_features_dir and max_train_examples apply to offline features (features_dir).")
-        train, held_out, info = build_datasets(data, tokenizer, max_length, eval_fraction, args.seed)
-    trainer = DrafterTrainer(model, target, args, train, held_out, collate_fn=collate, data_info=info)
-    record = trainer.train(resume_from_checkpoint=resume)
-    return trainer.unwrapped_drafter, record
+        train, held_out, info = build_datasets(data, tokenizer, max_length, eval_fraction, seed)
+    return train, held_out, collate, info
 
 
 def add_lora(drafter, r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0, target_modules=None):

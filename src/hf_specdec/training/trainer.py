@@ -530,14 +530,9 @@ class DrafterTrainer(Trainer):
 
     def token_counts(self) -> torch.Tensor:
         """Counts of loss tokens in the training data over the target vocabulary."""
-        vocab = self.unwrapped_drafter.config.target_vocab_size
-        counts = torch.zeros(vocab, dtype=torch.long)
-        for i in range(len(self.train_dataset)):
-            item = self.train_dataset[i]
-            ids = torch.as_tensor(item["input_ids"])
-            mask = torch.as_tensor(item["loss_mask"]).bool()
-            counts += torch.bincount(ids[mask], minlength=vocab)  # ids are checked against the vocabulary in __init__
-        return counts
+        from .data import loss_token_counts
+
+        return loss_token_counts(self.train_dataset, self.unwrapped_drafter.config.target_vocab_size)
 
     def _declare_adapter(self) -> None:
         """Records the trained target adapter (folder and weight fingerprint) in the drafter's config, so that

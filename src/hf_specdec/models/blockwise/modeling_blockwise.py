@@ -8,7 +8,7 @@ from torch import nn
 
 from ...heads import ParallelHeadsMixin
 from ...layers import ACT2FN_SIMPLE
-from ...modeling_utils import DrafterPreTrainedModel, ReducedVocabularyMixin
+from ...modeling_utils import DrafterPreTrainedModel
 from .configuration_blockwise import BlockwiseConfig
 
 __all__ = ["BlockwiseForDrafting", "BlockwiseHead"]
@@ -28,7 +28,7 @@ class BlockwiseHead(nn.Module):
         return h + self.down(self.act(self.up(h)))
 
 
-class BlockwiseForDrafting(ParallelHeadsMixin, ReducedVocabularyMixin, DrafterPreTrainedModel):
+class BlockwiseForDrafting(ParallelHeadsMixin, DrafterPreTrainedModel):
     """Blockwise parallel decoding: ``num_heads`` residual feed-forward heads sharing the target's LM head.
 
     Example:

@@ -17,7 +17,7 @@ from torch import nn
 
 from ...features import walk_metrics, walk_passes
 from ...layers import GatedMLP, RMSNorm, RotaryEmbedding, SlotKVCache, apply_rotary, compaction_index
-from ...modeling_utils import DrafterPreTrainedModel, DraftLossOutput, ReducedVocabularyMixin
+from ...modeling_utils import DrafterPreTrainedModel, DraftLossOutput
 from ...types import DraftInputs, Proposal, TokenSelector
 from .configuration_dflash import DFlashConfig
 
@@ -87,7 +87,7 @@ class DFlashDraftState:
     hidden: torch.Tensor | None = None  # (batch, drafts per block, hidden): the normed slot states
 
 
-class DFlashForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
+class DFlashForDrafting(DrafterPreTrainedModel):
     """DFlash: one non-causal pass over ``[anchor, MASK, ...]`` with the target context in every layer's keys.
 
     Example:

@@ -12,7 +12,7 @@ from torch import nn
 
 from ...feature_drafting import FeatureAutoregressiveMixin, FeatureDraftState
 from ...layers import DraftAttention, GatedMLP, RMSNorm, RotaryEmbedding, SlotKVCache
-from ...modeling_utils import DrafterPreTrainedModel, ReducedVocabularyMixin, depthwise_distillation_loss
+from ...modeling_utils import DrafterPreTrainedModel, depthwise_distillation_loss
 from .configuration_eagle1 import Eagle1Config
 
 __all__ = ["Eagle1ForDrafting", "Eagle1DecoderLayer", "Eagle1DraftState"]
@@ -37,7 +37,7 @@ class Eagle1DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Eagle1ForDrafting(FeatureAutoregressiveMixin, ReducedVocabularyMixin, DrafterPreTrainedModel):
+class Eagle1ForDrafting(FeatureAutoregressiveMixin, DrafterPreTrainedModel):
     """EAGLE-1: ``FC([embedding; feature])`` and one decoder layer; the target's embeddings and LM head are borrowed.
 
     Example:

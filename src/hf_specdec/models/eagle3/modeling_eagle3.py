@@ -15,7 +15,7 @@ from transformers.modeling_outputs import ModelOutput
 
 from ...feature_drafting import FeatureAutoregressiveMixin, FeatureDraftState
 from ...layers import DraftAttention, GatedMLP, RMSNorm, RotaryEmbedding, SlotKVCache
-from ...modeling_utils import DrafterPreTrainedModel, ReducedVocabularyMixin, depthwise_distillation_loss
+from ...modeling_utils import DrafterPreTrainedModel, depthwise_distillation_loss
 from .configuration_eagle3 import Eagle3Config
 
 __all__ = ["Eagle3ForDrafting", "Eagle3DraftState", "Eagle3Output"]
@@ -70,7 +70,7 @@ class Eagle3Output(ModelOutput):
 Eagle3DraftState = FeatureDraftState  # the state of the shared feature-autoregressive decoding
 
 
-class Eagle3ForDrafting(FeatureAutoregressiveMixin, ReducedVocabularyMixin, DrafterPreTrainedModel):
+class Eagle3ForDrafting(FeatureAutoregressiveMixin, DrafterPreTrainedModel):
     """EAGLE-3 drafter: fused low/mid/high target features, one decoder layer, optional reduced vocabulary.
 
     The token embeddings are borrowed from the target at :meth:`bind_target` time and never saved. With a reduced
@@ -198,7 +198,7 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, ReducedVocabularyMixin, Draf
     def init_from_target(self, target: nn.Module) -> None:
         """Starts the output side in the target's own output space: ``lm_head`` holds the target's LM-head rows of
         the draft vocabulary (set by :meth:`init_from_data`, which runs first) and ``norm`` the target's final norm
-        (see :meth:`~hf_specdec.modeling_utils.ReducedVocabularyMixin.init_output_from_target`)."""
+        (see :meth:`~hf_specdec.DrafterPreTrainedModel.init_output_from_target`)."""
         self.init_output_from_target(target, self.lm_head, self.norm if self.config.norm_output else None)
 
     def _ttt_attention(self, x, position_ids, key_valid, prev_kv):

@@ -10,7 +10,7 @@ from torch import nn
 from ...configuration_utils import decoder_layer_defaults, get_text_config
 from ...heads import last_verified
 from ...layers import ACT2FN_SIMPLE, DraftDecoderLayer, RMSNorm, RotaryEmbedding, SlotKVCache
-from ...modeling_utils import DrafterPreTrainedModel, ReducedVocabularyMixin, depthwise_distillation_loss
+from ...modeling_utils import DrafterPreTrainedModel, depthwise_distillation_loss
 from ...types import DraftInputs, Proposal, TokenSelector
 from .configuration_hydra import HydraConfig
 
@@ -81,7 +81,7 @@ class HydraDraftState:
     cache: SlotKVCache | None = None  # the prefix layer's KV cache (prefix_layer=True)
 
 
-class HydraForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
+class HydraForDrafting(DrafterPreTrainedModel):
     """Hydra: draft head ``k`` reads the target's state and the embeddings of the tokens on the path.
 
     Example:

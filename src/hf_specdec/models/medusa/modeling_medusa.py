@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ...heads import ParallelHeadsMixin
-from ...modeling_utils import DrafterPreTrainedModel, ReducedVocabularyMixin
+from ...modeling_utils import DrafterPreTrainedModel
 from .configuration_medusa import Medusa2Config, MedusaConfig
 
 __all__ = ["MedusaForDrafting", "Medusa2ForDrafting", "MedusaResBlock", "MedusaHead"]
@@ -37,7 +37,7 @@ class MedusaHead(nn.Module):
         return self.lm_head(x)
 
 
-class MedusaForDrafting(ParallelHeadsMixin, ReducedVocabularyMixin, DrafterPreTrainedModel):
+class MedusaForDrafting(ParallelHeadsMixin, DrafterPreTrainedModel):
     """Medusa-1: ``num_heads`` residual heads on the target's final hidden state, one forward per pass.
 
     Example:

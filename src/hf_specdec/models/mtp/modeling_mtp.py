@@ -12,7 +12,7 @@ from torch import nn
 
 from ...feature_drafting import FeatureAutoregressiveMixin, FeatureDraftState
 from ...layers import DraftDecoderLayer, RMSNorm, RotaryEmbedding, SlotKVCache
-from ...modeling_utils import DrafterPreTrainedModel, ReducedVocabularyMixin, depthwise_distillation_loss
+from ...modeling_utils import DrafterPreTrainedModel, depthwise_distillation_loss
 from .configuration_mtp import MtpConfig
 
 __all__ = ["MtpForDrafting", "MtpModule", "MtpBlock", "MtpCaches", "MtpDraftState"]
@@ -74,7 +74,7 @@ class MtpCaches:
         return done[0]
 
 
-class MtpForDrafting(FeatureAutoregressiveMixin, ReducedVocabularyMixin, DrafterPreTrainedModel):
+class MtpForDrafting(FeatureAutoregressiveMixin, DrafterPreTrainedModel):
     """MTP: ``D`` chained modules on the target's final hidden state, sharing its embeddings and LM head.
 
     Example:

@@ -28,7 +28,7 @@ from torch import nn
 
 from ...features import walk_metrics, walk_passes
 from ...layers import DraftAttention, GatedMLP, RMSNorm, RotaryEmbedding, SlotKVCache, compaction_index
-from ...modeling_utils import DrafterPreTrainedModel, DraftLossOutput, ReducedVocabularyMixin
+from ...modeling_utils import DrafterPreTrainedModel, DraftLossOutput
 from ...types import DraftInputs, Proposal, TokenSelector
 from .configuration_specblock import SpecBlockConfig
 
@@ -171,7 +171,7 @@ class SpecBlockDraftState:
     adapter: object | None = None  # serving-time adaptation (see adaptation.py), when on
 
 
-class SpecBlockForDrafting(ReducedVocabularyMixin, DrafterPreTrainedModel):
+class SpecBlockForDrafting(DrafterPreTrainedModel):
     """SpecBlock: ``K`` positions per pass with prefix broadcast, position queries and the layer-wise shift; a rank
     head for dynamic trees (``generate(..., tree="rank")``); optional serving-time adaptation
     (``generate(..., online_adaptation=True)``).
