@@ -43,6 +43,12 @@ def test_a_drafter_missing_part_of_the_contract_is_refused_when_built_naming_it(
     with pytest.raises(TypeError, match=r"ClaimsTrees does not implement \['tree_start', 'tree_expand'\]"):
         ClaimsTrees(config)
 
+    class NoObserve(OracleDrafter):
+        observe = DrafterPreTrainedModel.observe
+
+    with pytest.raises(TypeError, match=r"NoObserve does not implement \['observe'\]"):
+        NoObserve(config)
+
     class ClaimsAnAdapter(OracleDrafter):
         trains_target_adapter = True
 

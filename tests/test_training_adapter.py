@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from test_training_trainer import args, self_distilled
 from torch import nn
 
+from hf_specdec import Proposal
 from hf_specdec.configuration_utils import DrafterConfig
 from hf_specdec.features import walk_metrics, walk_passes
 from hf_specdec.modeling_utils import DrafterPreTrainedModel, DraftLossOutput
@@ -50,6 +51,19 @@ class ToyMedusa(DrafterPreTrainedModel):
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=0.02)
             nn.init.zeros_(module.bias)
+
+    # Decoding, as Medusa does: each head's choice from the target's last state at the last verified slot.
+    def init_draft_state(self, batch_size, max_length):
+        return {}
+
+    def observe(self, state, inputs):
+        last = inputs.hidden_states[-1]
+        slot = torch.where(inputs.valid, torch.arange(inputs.valid.shape[1]), -1).max(dim=1).values
+        state["hidden"] = last[torch.arange(last.shape[0]), slot]
+
+    def propose(self, state, num_tokens, select):
+        drafted = [select(head(state["hidden"]).float(), d)[0] for d, head in enumerate(self.heads[:num_tokens])]
+        return Proposal(tokens=torch.stack(drafted, dim=1))
 
     def target_adapter_config(self):
         r = self.config.lora_r

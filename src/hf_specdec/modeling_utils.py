@@ -166,9 +166,10 @@ def target_vocab_size(target: nn.Module) -> int | None:
     return None if vocab is None else int(vocab)
 
 
-# What a drafter class must implement, by the capability that asks for it (``None``: every drafter).
+# What a drafter class must implement, by the capability that asks for it (``None``: every drafter). A drafter
+# drafts chains (``propose``), trees (``supports_tree_drafting``), or both.
 FAMILY_CONTRACT: dict[str | None, tuple[str, ...]] = {
-    None: ("init_draft_state", "observe", "propose"),
+    None: ("init_draft_state", "observe"),
     "supports_tree_drafting": ("tree_start", "tree_expand"),
     "trains_target_adapter": ("target_adapter_config",),
 }
@@ -176,13 +177,19 @@ FAMILY_CONTRACT: dict[str | None, tuple[str, ...]] = {
 
 def check_family_contract(cls: type) -> None:
     """Raises `TypeError` naming the methods of :data:`FAMILY_CONTRACT` that ``cls`` leaves to the base class."""
+
+    def own(name: str) -> bool:
+        return getattr(cls, name) is not getattr(DrafterPreTrainedModel, name)
+
     missing = [
         name
         for capability, names in FAMILY_CONTRACT.items()
         if capability is None or getattr(cls, capability, False)
         for name in names
-        if getattr(cls, name) is getattr(DrafterPreTrainedModel, name)
+        if not own(name)
     ]
+    if not own("propose") and not getattr(cls, "supports_tree_drafting", False):
+        missing.append("propose")  # no way to draft at all
     if missing:
         raise TypeError(
             f"{cls.__name__} does not implement {missing}, which every drafter with its capabilities must "
@@ -211,7 +218,8 @@ class DrafterPreTrainedModel(PreTrainedModel):
     naming what is missing):
 
     * decoding, every family: :meth:`init_draft_state` once per ``generate`` call, :meth:`observe` with the verified
-      context after the prefill and after each target pass, :meth:`propose` to draft the next tokens;
+      context after the prefill and after each target pass, and :meth:`propose` to draft a chain, unless it drafts
+      trees only;
     * trees, a family with ``supports_tree_drafting``: :meth:`tree_start` and :meth:`tree_expand`;
     * a target adapter, a family with ``trains_target_adapter``: :meth:`target_adapter_config`;
     * training: :meth:`compute_loss` (a family without it decodes but cannot be trained; the trainer refuses it);
