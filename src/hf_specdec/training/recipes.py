@@ -155,7 +155,7 @@ def train_drafter(
         model, target, tokenizer, data, features_dir, eval_features_dir, max_train_examples, max_length,
         eval_fraction, args.seed,
     )  # fmt: skip
-    if widen_to is not None:
+    if widen_to is not None and widen_to != model.config.draft_vocab_size:
         from .data import loss_token_counts
 
         counts = loss_token_counts(train, model.config.target_vocab_size)
@@ -168,18 +168,15 @@ def train_drafter(
 
 
 def _vocabulary_to_widen(drafter, overrides: dict) -> int | None:
-    """The larger draft vocabulary asked for a trained drafter (``draft_vocab_size`` among the overrides of a
-    drafter given by path or as a model, taken out of them); ``None`` for a fresh drafter or no such override."""
-    from ..modeling_utils import DrafterPreTrainedModel
+    """The draft vocabulary asked for a trained drafter (``draft_vocab_size`` among the overrides of a drafter given
+    by path or as a model, taken out of them; its own size asks for nothing); ``None`` for a fresh drafter or no such
+    override."""
     from ..registry import DRAFTERS
 
     fresh = drafter is None or (isinstance(drafter, str) and drafter in DRAFTERS)
     if fresh or "draft_vocab_size" not in overrides:
         return None
-    size = int(overrides.pop("draft_vocab_size"))
-    if isinstance(drafter, DrafterPreTrainedModel) and size == drafter.config.draft_vocab_size:
-        return None
-    return size
+    return int(overrides.pop("draft_vocab_size"))
 
 
 def _training_data(model, target, tokenizer, data, features_dir, eval_features_dir, max_train_examples, max_length,
