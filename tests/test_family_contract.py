@@ -3,6 +3,8 @@ vocabulary, which every drafter has from the base class."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import make_target
@@ -26,34 +28,22 @@ class _Decodes(OracleDrafter):
     """An oracle drafter: implements the decoding methods, no tree ones."""
 
 
-def test_a_drafter_missing_part_of_the_contract_is_refused_when_built_naming_it():
-    target = make_target("llama")
-    config = OracleDrafterConfig.for_target(target.config)
+# (what the subclass changes, the methods the error must name)
+_BROKEN_PARTS = [
+    ({"propose": DrafterPreTrainedModel.propose}, ["propose"]),
+    ({"observe": DrafterPreTrainedModel.observe}, ["observe"]),
+    ({"supports_tree_drafting": True}, ["tree_start", "tree_expand"]),
+    ({"trains_target_adapter": True}, ["target_adapter_config"]),
+]
+
+
+@pytest.mark.parametrize(("changes", "missing"), _BROKEN_PARTS)
+def test_a_drafter_missing_part_of_the_contract_is_refused_when_built_naming_it(changes, missing):
+    config = OracleDrafterConfig.for_target(make_target("llama").config)
     _Decodes(config)  # the control: the decoding methods are there
-
-    class NoPropose(OracleDrafter):
-        propose = DrafterPreTrainedModel.propose
-
-    with pytest.raises(TypeError, match=r"NoPropose does not implement \['propose'\]"):
-        NoPropose(config)
-
-    class ClaimsTrees(OracleDrafter):
-        supports_tree_drafting = True
-
-    with pytest.raises(TypeError, match=r"ClaimsTrees does not implement \['tree_start', 'tree_expand'\]"):
-        ClaimsTrees(config)
-
-    class NoObserve(OracleDrafter):
-        observe = DrafterPreTrainedModel.observe
-
-    with pytest.raises(TypeError, match=r"NoObserve does not implement \['observe'\]"):
-        NoObserve(config)
-
-    class ClaimsAnAdapter(OracleDrafter):
-        trains_target_adapter = True
-
-    with pytest.raises(TypeError, match=r"\['target_adapter_config'\]"):
-        ClaimsAnAdapter(config)
+    broken = type("Broken", (OracleDrafter,), changes)
+    with pytest.raises(TypeError, match=re.escape(f"Broken does not implement {missing}")):
+        broken(config)
 
 
 def test_a_drafter_without_vocabulary_maps_drafts_over_the_full_vocabulary():
