@@ -88,17 +88,20 @@ class ExactLaws:
 _LAWS_CACHE: dict = {}
 
 
-def exact_laws(target, prompt, num_tokens=NUM_TOKENS, temperature=TEMPERATURE, top_k=TOP_K, prune=1e-8):
+def exact_laws(
+    target, prompt, num_tokens=NUM_TOKENS, temperature=TEMPERATURE, top_k=TOP_K, prune=1e-8, extra_processors=()
+):
     """Exact marginal and adjacent-pair laws of the first ``num_tokens`` sampled tokens (temperature + top-k).
 
-    Enumerates every continuation whose probability exceeds ``prune``; the pruned mass is reported (and is far
-    below what the test can resolve). Cached per target object and settings.
+    ``extra_processors`` (pure functions of ``(prefixes, scores)``, one row per path) run first, where ``generate``
+    puts a user's ``logits_processor``. Enumerates every continuation whose probability exceeds ``prune``; the
+    pruned mass is reported (and is far below what the test can resolve). Cached per target object and settings.
     """
     prompt = torch.as_tensor(prompt)
-    key = (id(target), tuple(prompt.tolist()), num_tokens, temperature, top_k, prune)
+    key = (id(target), tuple(prompt.tolist()), num_tokens, temperature, top_k, prune, id(extra_processors))
     if key in _LAWS_CACHE and _LAWS_CACHE[key][0] is target:
         return _LAWS_CACHE[key][1]
-    procs = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k)])
+    procs = LogitsProcessorList([*extra_processors, TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k)])
     vocab = target.config.vocab_size
     prefixes = prompt[None]  # (paths, len)
     weights = torch.ones(1, dtype=torch.float64)

@@ -258,8 +258,53 @@ class _PlainThenLookup(DraftLengthController):
     def choose(self, limit, pending_slots=0):
         return 0
 
-    def use_lookup(self):
+    def use_lookup(self, chosen_rate=1.0):
         return True
+
+
+class _DraftOrCopy(DraftLengthController):
+    """Always asks for a 3-token draft and always lets copies go first."""
+
+    def choose(self, limit, pending_slots=0):
+        return min(self.k_max, limit)
+
+    def use_lookup(self, chosen_rate=1.0):
+        return True
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_copies_go_first_and_keep_greedy_identity(monkeypatch, batch):
+    """Copies before the drafter's chain: at batch 1 a pass with a match verifies the copy alone (nothing drafted),
+    one without drafts; at batch 3 rows with a copy take it whatever the chain drafted, rows without draft."""
+    from test_lookup_merge import _repetitive_prompt
+
+    monkeypatch.setattr(adaptive, "DraftLengthController", _DraftOrCopy)
+    target = make_target("llama", sharpen=3.0)
+    ids, mask = _repetitive_prompt(batch)
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None)
+    torch.manual_seed(0)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3)).eval()
+    out = target.generate(
+        ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=40, do_sample=False, lookup_tokens=6,
+        eos_token_id=None, return_dict_in_generate=True,
+    )  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    assert max(max(row) for row in out.accepted_lengths) > 1  # some copies were accepted
+    if batch == 1:
+        assert out.timings["lookup_passes"] > 0 and out.timings["draft_steps"] > 0
+        assert out.timings["plain_steps"] == 0  # every pass drafted or copied
+    else:
+        assert out.timings["lookup_rows"] > 0  # rows took their copies in drafting passes
+
+
+def test_the_lookup_must_beat_the_chosen_length_not_only_a_plain_step():
+    ctrl = DraftLengthController(3, probe_every=50)
+    _feed(ctrl, 0, [0], 1.0)  # plain step: 1 token per second
+    assert ctrl.use_lookup(2.0)  # not measured yet: try it
+    ctrl.update(0, torch.tensor([4]), torch.tensor([2]), torch.tensor([True]), 1.25, lookup=True)
+    assert ctrl.lookup_rate() == pytest.approx(1.6)
+    assert ctrl.use_lookup(1.0)  # beats a plain step
+    assert not ctrl.use_lookup(2.0)  # loses to a draft expected at 2 tokens per plain-step time
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -317,6 +362,39 @@ def test_lookup_passes_keep_sampling_lossless(monkeypatch):
     assert fails_check(law_pvalues(bad, laws)), "the check cannot tell a wrong residual apart"
 
 
+def test_copies_first_keep_sampling_lossless(monkeypatch):
+    """The shared law check with copies going first in drafting passes (unigram lookup: most rows have a copy and
+    verify it, the others verify their drafted chain, in the same pass): the output law stays the target's, and a
+    wrong residual is rejected."""
+    from sampling_check import (
+        PROMPT,
+        ResidualIsTargetVerifier,
+        describe,
+        exact_laws,
+        fails_check,
+        law_pvalues,
+        sample,
+        sampling_target,
+    )
+
+    from hf_specdec.generation import ngram
+
+    monkeypatch.setattr(adaptive, "DraftLengthController", _DraftOrCopy)
+    monkeypatch.setattr(ngram, "NGRAM_SIZES", (1,))
+    prompt = tuple(range(4, 16)) + PROMPT
+    target = sampling_target()
+    laws = exact_laws(target, prompt)
+    torch.manual_seed(6)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=2))
+    opts = {"num_assistant_tokens": 2, "lookup_tokens": 3, "draft_length": "adaptive"}
+    out, gen = sample(target, drafter, prompt=prompt, **opts)
+    assert out.timings["lookup_rows"] > 1000 and out.timings["draft_steps"] > 0, out.timings
+    pvalues = law_pvalues(gen, laws)
+    assert not fails_check(pvalues), f"the output law differs from the target's: {describe(pvalues)}"
+    _, bad = sample(target, drafter, verifier=ResidualIsTargetVerifier(), prompt=prompt, **opts)
+    assert fails_check(law_pvalues(bad, laws)), "the check cannot tell a wrong residual apart"
+
+
 class _DraftEveryFifthPass(DraftLengthController):
     """Plain steps, with a 2-token draft every fifth pass."""
 
@@ -347,7 +425,7 @@ def test_the_draft_cost_counts_drafting_passes_not_the_prompt_or_catch_ups(monke
     monkeypatch.setattr(drafter, "observe", slow_on_the_prompt)
     ids = torch.randint(3, target.config.vocab_size, (1, 12))
     out = target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False, eos_token_id=None,
-                          return_dict_in_generate=True)  # fmt: skip
+                          lookup_tokens=0, return_dict_in_generate=True)  # fmt: skip
     timings = out.timings
     assert timings["draft_steps"] >= 6 and timings["plain_steps"] >= 15
     # all the drafter's time holds the 0.3 s prompt pass; the drafting passes' time (what c divides) does not

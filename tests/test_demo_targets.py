@@ -192,3 +192,17 @@ def test_bench_target_shortcuts(code_model_as_smollm2, tmp_path):
     report = json.loads((out_code / "bench.json").read_text())
     assert report["config"]["target"] == "hf_specdec demo-target" and report["config"]["prompts"] == "demo"
     assert any(r["kind"] == "drafter" for r in report["records"]) and report["config"]["num_prompts"] == 2
+
+
+def test_smollm2_demo_in_bf16_is_timed_against_bf16_plain(code_model_as_smollm2, tmp_path, capsys):
+    """``--dtype bfloat16`` loads the target in bf16 (plain decoding runs in it too) and judges the outputs by the
+    near-tie classification: the exit status follows ``identical_up_to_near_ties``."""
+    out = tmp_path / "out"
+    argv = ["demo", "--drafter", demo.DEMO_DRAFTER, "--prompts", "1", "--max-new-tokens", "6", "--repeats", "1",
+            "--dtype", "bfloat16", "--out", str(out)]  # fmt: skip
+    status = main(argv)
+    assert code_model_as_smollm2 == ["bfloat16"]
+    summary = json.loads((out / "demo_report.json").read_text())
+    assert summary["dtype"] == "bfloat16" and summary["report"]["config"]["target_dtype"] == "bfloat16"
+    assert status == (0 if summary["identical_up_to_near_ties"] else 1)
+    assert "greedy, batch size 1, bfloat16" in capsys.readouterr().out

@@ -10,6 +10,7 @@ from .auto import AutoModelForDrafting
 from .configuration_utils import DrafterConfig
 from .generation import (
     DraftInputs,
+    GrammarLogitsProcessor,
     Proposal,
     SpeculativeDecoderOnlyOutput,
     VerificationFeedback,
@@ -32,6 +33,7 @@ __all__ = [
     "DrafterConfig",
     "DrafterPreTrainedModel",
     "speculative_generate",
+    "GrammarLogitsProcessor",
     "SpeculativeDecoderOnlyOutput",
     "Proposal",
     "DraftInputs",

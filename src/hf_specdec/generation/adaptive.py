@@ -36,11 +36,14 @@ large batch on a compute-bound device.
 
 For tree policies the choice is between the tree and a plain step; the tree's tokens per pass are measured directly.
 
-Where a plain step wins, prompt lookup gets its own chance: when the text's last n-gram occurred before, the pass can
-verify the copied continuation instead (no drafting; :func:`hf_specdec.generation.ngram.lookup_proposal`). Its tokens
-per pass and pass time are measured separately (:meth:`DraftLengthController.use_lookup`): it is taken while it beats
-plain steps, tried once when nothing is known, and re-tried every ``probe_every`` matches so that a passage that
-turns repetitive is noticed.
+Prompt lookup gets its own chance before the drafter: when some row's last n-gram occurred before, the pass can
+verify the copied continuations (:func:`hf_specdec.generation.ngram.lookup_proposal`) instead of a plain step or the
+chosen draft, without drafting when every row has a copy (rows without one draft their chain). The drafter fails
+most where the target copies from its prompt (summaries quoting the article, answers quoting passages), and that is
+where a copy holds. Lookup passes' tokens per pass and pass time are measured separately
+(:meth:`DraftLengthController.use_lookup`): copies go first while they commit more tokens per second than the chosen
+length is expected to (by ``margin``), are tried once when nothing is known, and are re-tried at gaps that start at
+``probe_every`` matches, so that a passage that turns repetitive is noticed.
 
 The choice never changes *what* is generated: greedy output stays identical to plain decoding, and sampling stays
 lossless. Because the choice depends on wall-clock measurements, a sampled output for a fixed seed is not
@@ -234,17 +237,18 @@ class DraftLengthController:
         self._probe_side = -self._probe_side
         return arms[j]
 
-    def use_lookup(self) -> bool:
-        """Whether a pass for which :meth:`choose` gave ``0`` should verify prompt-lookup copies instead (asked only
-        when some row has a match): yes while lookup passes commit more tokens per second than plain steps by
-        ``margin``, when either is not measured yet, and now and then to notice that it started paying (after
-        ``probe_every`` matches, then at gaps that double while it keeps losing, up to ``max_probe_gap``)."""
+    def use_lookup(self, chosen_rate: float = 1.0) -> bool:
+        """Whether a pass should verify the rows' prompt-lookup copies before the drafter's chain (asked only when
+        some row has a match; ``chosen_rate``: the expected tokens per plain-step time of what :meth:`choose` gave,
+        1 for a plain step): yes while lookup passes commit more tokens per second than that by ``margin``, when
+        either is not measured yet, and now and then to notice that it started paying (after ``probe_every``
+        matches, then at gaps that double while it keeps losing, up to ``max_probe_gap``)."""
         if self.step_time is None:
             return False  # a plain step first: lookups are measured against it
         self._lookup_matches += 1
-        if not self.lookup_relative or self.lookup_tokens is None:
+        if self.lookup_rate() is None:
             return True
-        if self.lookup_tokens / statistics.median(self.lookup_relative) > 1.0 + self.margin:
+        if self.lookup_rate() > chosen_rate * (1.0 + self.margin):
             self._lookup_gap = self.probe_every
             self._lookup_next = self._lookup_matches + self.probe_every
             return True
@@ -253,6 +257,13 @@ class DraftLengthController:
             self._lookup_next = self._lookup_matches + self._lookup_gap
             return True
         return False
+
+    def lookup_rate(self) -> float | None:
+        """Measured tokens per plain-step time of passes that verify prompt-lookup copies alone (``None`` before
+        any)."""
+        if not self.lookup_relative or self.lookup_tokens is None:
+            return None
+        return self.lookup_tokens / statistics.median(self.lookup_relative)
 
     def update(
         self,

@@ -99,7 +99,9 @@ class ScoreProcessor:
     """
 
     def __init__(self, processors: LogitsProcessorList | None, batch_size: int):
-        self.processors = processors if processors is not None else LogitsProcessorList()
+        from .grammar import speculation_safe_processor
+
+        self.processors = LogitsProcessorList(speculation_safe_processor(p) for p in processors or ())
         unsafe = [type(p).__name__ for p in self.processors if not _is_stateless(p)]
         if unsafe:
             raise ValueError(
@@ -107,7 +109,9 @@ class ScoreProcessor:
                 "draft position with its own prefix, so a processor runs on prefixes that are later rejected, which "
                 "is only sound for processors that keep no state between calls. If yours is a pure function of "
                 "(input_ids, scores), declare it with hf_specdec.generation.register_stateless_logits_processor(cls) "
-                "(or set `hf_specdec_stateless = True` on the class); otherwise use plain generate."
+                "(or set `hf_specdec_stateless = True` on the class); otherwise use plain generate. For grammar-"
+                "constrained output pass xgrammar.contrib.hf.LogitsProcessor or hf_specdec.GrammarLogitsProcessor, "
+                "whose grammar state hf_specdec drives itself."
             )
         self.prefix_free = all(isinstance(p, _PREFIX_FREE) for p in self.processors)
 

@@ -634,7 +634,8 @@ class _Pass:
     k: int  # tokens asked of the drafter (0: a plain step, or a prompt-lookup copy alone)
     limit: int  # most draft tokens the length limit allows
     proposal: Proposal | None = None
-    lookup_only: bool = False  # the pass verifies a prompt-lookup copy instead of a plain step
+    copy: Proposal | None = None  # the rows' prompt-lookup copies, when the adaptive length takes them first
+    lookup_only: bool = False  # the pass verifies prompt-lookup copies alone (nothing drafted)
     catchup_s: float = 0.0  # the drafter's catch-up on earlier plain steps, before drafting
     catchup_slots: int = 0
     t_start: float = 0.0
@@ -778,7 +779,8 @@ class SpeculativeDecoder:
         self.step_index += 1
 
     def _plan(self) -> _Pass:
-        """How many tokens to draft: the adaptive length's choice (0: a plain step), or always ``k_max``."""
+        """How many tokens to draft: the adaptive length's choice (0: a plain step), or always ``k_max``; and, with
+        the adaptive length, whether the rows' prompt-lookup copies go first (:meth:`_copies_first`)."""
         limit = self.committed.remaining() - 1  # a pass never drafts past the length limit
         pending_slots = sum(p.next_token_ids.shape[1] for p in self.pending)
         if self.controller is None:
@@ -786,25 +788,39 @@ class SpeculativeDecoder:
         else:
             k = self.controller.choose(limit, pending_slots)
         step = _Pass(k=k, limit=limit, t_start=self.stats.clock())
-        if k > 0 and self.pending:  # the drafter catches up on the plain steps it did not see
+        step.copy = self._copies_first(k, limit, pending_slots)
+        if step.copy is not None and bool((step.copy.lengths > 0)[~self.committed.finished].all()):
+            step.k = 0  # every row verifies its copy: nothing to draft
+        if step.k > 0 and self.pending:  # the drafter catches up on the plain steps it did not see
             self.drafter.observe(self.state, _merge_inputs(self.pending))
             self.pending.clear()
             step.catchup_s, step.catchup_slots = self.stats.clock() - step.t_start, pending_slots
         return step
 
+    def _copies_first(self, k: int, limit: int, pending_slots: int) -> Proposal | None:
+        """The rows' prompt-lookup copies when the adaptive length takes them before the drafter's chain: some row's
+        last n-gram occurred before, and copies have been measured to commit more tokens per second than the chosen
+        draft length (or a plain step) would (:meth:`DraftLengthController.use_lookup`). ``None`` otherwise."""
+        opts = self.options
+        if not opts.lookup_tokens or self.controller is None or opts.policy is not None or limit <= 0:
+            return None
+        copy = lookup_proposal(self.seq, self.starts, self.committed.lengths, min(opts.lookup_tokens, limit),
+                               self.vocab, opts.do_sample, ~self.committed.finished)  # fmt: skip
+        if copy is None:
+            return None
+        chosen = self.controller.rate(k, pending_slots) if k > 0 else 1.0
+        return copy if self.controller.use_lookup(chosen or 1.0) else None
+
     def _propose(self, step: _Pass) -> None:
-        """The pass's proposal: empty (a plain step), a prompt-lookup copy alone, a tree, or a drafted chain (with a
-        prompt-lookup copy merged in where it starts like the chain)."""
+        """The pass's proposal: empty (a plain step), the prompt-lookup copies alone, a tree, or a drafted chain
+        with prompt-lookup copies merged in (every row with a copy when copies go first, else the rows whose copy
+        starts like the chain)."""
         opts, lengths = self.options, self.committed.lengths
         if step.k <= 0:
             step.proposal = Proposal(tokens=self.seq.new_empty(self.bsz, 0))
-            if opts.lookup_tokens and self.controller is not None and step.limit > 0:
-                # Drafting does not pay now; copying might (nothing to draft, only a wider target pass).
-                copy = lookup_proposal(self.seq, self.starts, lengths, min(opts.lookup_tokens, step.limit), self.vocab,
-                                       opts.do_sample, ~self.committed.finished)  # fmt: skip
-                if copy is not None and self.controller.use_lookup():
-                    step.proposal, step.lookup_only = copy, True
-                    self.stats.lookup_passes += 1
+            if step.copy is not None:
+                step.proposal, step.lookup_only = step.copy, True
+                self.stats.lookup_passes += 1
             self.plain_steps += not step.lookup_only
             return
         if opts.policy is not None:
@@ -817,9 +833,11 @@ class SpeculativeDecoder:
         self.stats.draft_steps += proposal.num_nodes
         _check_proposal(proposal, self.bsz, step.k, self.drafter)
         _trim_linear(proposal)
-        if opts.lookup_tokens > step.k and step.limit > step.k:
+        copies_first = step.copy is not None
+        if copies_first or (opts.lookup_tokens > step.k and step.limit > step.k):
             copy_len = min(opts.lookup_tokens, step.limit)
-            proposal, copied = merge_lookup(proposal, self.seq, self.starts, lengths, copy_len)
+            proposal, copied = merge_lookup(proposal, self.seq, self.starts, lengths, copy_len,
+                                            agree=0 if copies_first else None)  # fmt: skip
             self.stats.lookup_rows += int(copied.sum())
         step.proposal = proposal
 

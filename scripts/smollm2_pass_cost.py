@@ -1,0 +1,118 @@
+#!/usr/bin/env python
+"""What a verification pass costs on this CPU: SmolLM2's forward over w new tokens, against a one-token step.
+
+Speculative decoding pays when a pass over K + 1 tokens costs little more than a plain one-token step. This script
+times the target alone (no drafter, no loop): a cached forward over ``w`` new tokens after a ``--context``-token
+prompt, for each dtype and thread count, interleaved and repeated, and reports each width's median time relative to
+the one-token step of the same dtype, threads and repeat.
+
+Usage::
+
+    python scripts/smollm2_pass_cost.py
+
+Writes ``model_cards/results/smollm2-pass-cost.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+
+
+@torch.no_grad()
+def time_widths(target, widths, context: int, calls: int) -> dict[int, float]:
+    """Median seconds of a cached forward over each width (the cache is cut back after every call)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.config)
+    target(torch.randint(100, 20000, (1, context)), cache=cache, use_cache=True)
+    out = {}
+    for w in widths:
+        x = torch.randint(100, 20000, (1, w))
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            target(x, cache=cache, use_cache=True)
+            times.append(time.perf_counter() - t0)
+            cache.crop(-w)
+        out[w] = statistics.median(times)
+    return out
+
+
+def markdown(result: dict) -> str:
+    widths = result["widths"]
+    lines = [
+        "# SmolLM2-135M-Instruct: a forward over w new tokens, relative to a one-token step",
+        "",
+        f"Command: `{result['command']}`. {result['context']}-token cached context, median of {result['calls']} calls "
+        f"per width, {result['repeats']} interleaved repeats; cells: the median over repeats of w's time over the "
+        "one-token step's in the same repeat [min–max]; the last column is the one-token step itself.",
+        "",
+        "| dtype | threads | " + " | ".join(f"w = {w}" for w in widths[1:]) + " | one-token step |",
+        "|:---|---:|" + "---:|" * len(widths),
+    ]
+    for row in result["rows"]:
+        cells = [f"{r['median']:.2f}× [{r['min']:.2f}–{r['max']:.2f}]" for r in row["relative"]]
+        lines.append(f"| {row['dtype']} | {row['threads']} | " + " | ".join(cells) + f" | {row['step_ms']:.0f} ms |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 6, 11])
+    p.add_argument("--context", type=int, default=400)
+    p.add_argument("--calls", type=int, default=9)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--results", default="model_cards/results/smollm2-pass-cost")
+    args = p.parse_args(argv)
+    if args.widths[0] != 1:
+        p.error("--widths must start with 1 (the one-token step the others are relative to)")
+
+    from hf_specdec.gguf_target import load_smollm2
+
+    targets = {dtype: load_smollm2(dtype=dtype)[0].eval() for dtype in args.dtypes}
+    samples = {(d, t): [] for d in args.dtypes for t in args.threads}
+    for _ in range(args.repeats):
+        for (dtype, threads), runs in samples.items():
+            torch.set_num_threads(threads)
+            runs.append(time_widths(targets[dtype], args.widths, args.context, args.calls))
+    rows = []
+    for (dtype, threads), runs in samples.items():
+        ratios = {w: [r[w] / r[1] for r in runs] for w in args.widths[1:]}
+        rows.append({
+            "dtype": dtype, "threads": threads,
+            "step_ms": 1000 * statistics.median(r[1] for r in runs),
+            "relative": [{"width": w, "median": statistics.median(v), "min": min(v), "max": max(v)}
+                         for w, v in ratios.items()],
+        })  # fmt: skip
+    result = {
+        "target": "SmolLM2-135M-Instruct",
+        "device": "cpu",
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "command": "python scripts/smollm2_pass_cost.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "context": args.context,
+        "calls": args.calls,
+        "repeats": args.repeats,
+        "widths": args.widths,
+        "rows": rows,
+    }
+    with open(args.results + ".json", "w", encoding="utf-8") as fh:
+        json.dump(result, fh, indent=1)
+    with open(args.results + ".md", "w", encoding="utf-8") as fh:
+        fh.write(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""Grammar-constrained generation with speculation: one grammar state per row, driven by prefix.
+
+Constrained-decoding libraries plug into ``generate`` as logits processors that keep a matcher and advance it on
+every call (``xgrammar.contrib.hf.LogitsProcessor`` accepts ``input_ids[:, -1]`` each step and never rolls back).
+A speculative pass scores many positions at once, on prefixes that are then partly rejected, so such a processor's
+state would be silently wrong. :class:`GrammarLogitsProcessor` keeps a grammar state per row and, on every call,
+rolls it back to the longest common prefix of what it has accepted and the prefix it is shown, then advances along
+the rest: its mask is a pure function of the prefix, so the loop may call it at any position, for the draft tokens
+(the drafter drafts from masked scores) and for the target's verified positions alike.
+
+Backends (each an optional dependency) implement :class:`GrammarState`:
+
+* xgrammar (:class:`XGrammarState`): ``GrammarMatcher.accept_token`` / ``rollback`` / ``fill_next_token_bitmask``;
+* outlines-core (:class:`OutlinesCoreState`): ``Guide(index, max_rollback=...)`` with ``advance`` /
+  ``rollback_state`` / ``write_mask_into``.
+
+A user's own ``xgrammar.contrib.hf.LogitsProcessor`` is recognised (:func:`speculation_safe_processor`): the loop
+takes its compiled grammar(s) and drives fresh matchers of its own, at the processor's place in the chain, and the
+user's processor object is left untouched.
+
+Masks follow the processor they replace exactly, so greedy output equals plain constrained ``generate``: the first
+call of a row is its prompt (no token accepted); a prefix the grammar rejects is never committed (the target gives
+it probability zero) and its scores are left as they are; after the grammar has terminated (it accepted a stop
+token) the mask stays the one before that token, as xgrammar's processor leaves its bitmask.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable, Protocol, Sequence
+
+import torch
+from transformers import LogitsProcessor
+
+__all__ = [
+    "GrammarState",
+    "GrammarLogitsProcessor",
+    "XGrammarState",
+    "OutlinesCoreState",
+    "speculation_safe_processor",
+    "unpack_bitmask",
+]
+
+
+class GrammarState(Protocol):
+    """One row's grammar state: what the constrained-decoding backend must offer."""
+
+    def allowed(self) -> torch.Tensor:
+        """``(vocab,)`` bool: the tokens the grammar allows next (does not change the state)."""
+
+    def advance(self, token: int) -> bool:
+        """Accepts ``token``; ``False`` (state unchanged) when the grammar rejects it."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last ``num_tokens`` accepted tokens."""
+
+    def is_terminated(self) -> bool:
+        """Whether the grammar has accepted its stop token."""
+
+
+def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """An int32 bitmask (32 tokens per word, bit ``i % 32`` of word ``i // 32`` set when token ``i`` is allowed) as a
+    ``(vocab_size,)`` bool tensor."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words.to(torch.int32)[:, None] >> shifts) & 1
+    return bits.reshape(-1)[:vocab_size].bool()
+
+
+class XGrammarState:
+    """A row's state as an ``xgrammar.GrammarMatcher`` over ``compiled_grammar`` (rollback is unlimited)."""
+
+    def __init__(self, compiled_grammar):
+        import xgrammar
+
+        self.matcher = xgrammar.GrammarMatcher(compiled_grammar)
+        self.vocab_size = compiled_grammar.tokenizer_info.vocab_size
+        self._bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+
+    def allowed(self) -> torch.Tensor:
+        self.matcher.fill_next_token_bitmask(self._bitmask, 0)
+        return unpack_bitmask(self._bitmask[0], self.vocab_size)
+
+    def advance(self, token: int) -> bool:
+        return bool(self.matcher.accept_token(int(token)))
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+
+class OutlinesCoreState:
+    """A row's state as an ``outlines_core.Guide`` over ``index`` (``max_rollback`` accepted tokens can be undone;
+    the default covers any generation). outlines-core's guide never consumes the EOS id: it is allowed where the
+    regex may end (``Guide.is_finished``), and accepting it here terminates the state."""
+
+    def __init__(self, index, vocab_size: int, eos_token_id: int, max_rollback: int = 1 << 20):
+        import outlines_core
+
+        self.guide = outlines_core.Guide(index, max_rollback=max_rollback)
+        self.vocab_size = int(vocab_size)
+        self.eos_token_id = int(eos_token_id)
+        self._ended = False
+
+    def allowed(self) -> torch.Tensor:
+        words = torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int32)
+        self.guide.write_mask_into(words.data_ptr(), words.numel(), words.element_size())
+        return unpack_bitmask(words, self.vocab_size)
+
+    def advance(self, token: int) -> bool:
+        if self._ended:
+            return False
+        if int(token) == self.eos_token_id:
+            self._ended = bool(self.guide.is_finished())
+            return self._ended
+        if not self.guide.accepts_tokens([int(token)]):
+            return False
+        self.guide.advance(int(token), return_tokens=False)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and self._ended:
+            self._ended, num_tokens = False, num_tokens - 1
+        if num_tokens:
+            self.guide.rollback_state(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self._ended
+
+
+class GrammarLogitsProcessor(LogitsProcessor):
+    """Masks the tokens a grammar forbids, one grammar state per row, as a pure function of the prefix.
+
+    Args:
+        states: one :class:`GrammarState` per row, or one factory (``() -> GrammarState``) called per row at the
+            first call (the prompt, whose length marks where each row's generated tokens start).
+
+    The processor can be passed to plain ``generate`` and to speculative ``generate`` alike; like the processors it
+    replaces it serves one ``generate`` call.
+    """
+
+    hf_specdec_stateless = True  # every call rolls back to the common prefix: its output depends on input_ids only
+
+    def __init__(self, states: Sequence[GrammarState] | Callable[[], GrammarState]):
+        self._factory = states if callable(states) else None
+        self.states: list[GrammarState] = [] if callable(states) else list(states)
+        self._accepted: list[list[int]] = []
+        self._prompt_len: int | None = None
+
+    def _start(self, input_ids: torch.LongTensor) -> None:
+        bsz = input_ids.shape[0]
+        if self._factory is not None:
+            self.states = [self._factory() for _ in range(bsz)]
+        if len(self.states) != bsz:
+            raise ValueError(f"GrammarLogitsProcessor has {len(self.states)} grammar states for a batch of {bsz} rows.")
+        self._accepted = [[] for _ in range(bsz)]
+        self._prompt_len = input_ids.shape[1]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._prompt_len is None:
+            self._start(input_ids)
+        generated = input_ids[:, self._prompt_len :].tolist()
+        out = scores.clone()
+        for b, tokens in enumerate(generated):
+            allowed = self._allowed_after(b, tokens)
+            if allowed is not None:
+                width = min(allowed.numel(), out.shape[-1])
+                row = out[b]
+                row[:width].masked_fill_(~allowed[:width].to(row.device), float("-inf"))
+                row[width:] = float("-inf")  # ids past the grammar's vocabulary (padding rows of the LM head)
+        return out
+
+    def _allowed_after(self, b: int, tokens: list[int]) -> torch.Tensor | None:
+        """Row ``b``'s mask after ``tokens``; ``None`` when the grammar rejects them (a prefix that is never
+        committed: its scores stay as they are)."""
+        state, accepted = self.states[b], self._accepted[b]
+        common = 0
+        for x, y in zip(accepted, tokens):
+            if x != y:
+                break
+            common += 1
+        state.rollback(len(accepted) - common)
+        del accepted[common:]
+        for token in tokens[common:]:
+            if not state.advance(token):
+                return None
+            accepted.append(token)
+        if accepted and state.is_terminated():
+            # as the processors it replaces: after the stop token the mask stays the one before it
+            last = accepted[-1]
+            state.rollback(1)
+            allowed = state.allowed()
+            state.advance(last)
+            return allowed
+        return state.allowed()
+
+    @classmethod
+    def from_json_schema(cls, schema, tokenizer, vocab_size: int | None = None) -> GrammarLogitsProcessor:
+        """Output that is a JSON value of ``schema`` (a dict or its JSON text), through xgrammar; ``vocab_size``:
+        the model's (its LM head may have more rows than the tokenizer has tokens)."""
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        return cls.from_xgrammar(_xgrammar_compiler(tokenizer, vocab_size).compile_json_schema(text))
+
+    @classmethod
+    def from_regex(cls, pattern: str, tokenizer, vocab_size: int | None = None) -> GrammarLogitsProcessor:
+        """Output that matches the regular expression ``pattern``, through xgrammar."""
+        return cls.from_xgrammar(_xgrammar_compiler(tokenizer, vocab_size).compile_regex(pattern))
+
+    @classmethod
+    def from_ebnf(cls, grammar: str, tokenizer, vocab_size: int | None = None) -> GrammarLogitsProcessor:
+        """Output of the EBNF ``grammar`` (xgrammar's GBNF dialect, rule ``root``), through xgrammar."""
+        return cls.from_xgrammar(_xgrammar_compiler(tokenizer, vocab_size).compile_grammar(grammar))
+
+    @classmethod
+    def from_xgrammar(cls, compiled_grammars) -> GrammarLogitsProcessor:
+        """One xgrammar matcher per row over ``compiled_grammars`` (one ``xgrammar.CompiledGrammar`` for every row,
+        or a list with one per row)."""
+        grammars = compiled_grammars if isinstance(compiled_grammars, (list, tuple)) else [compiled_grammars]
+        if len(grammars) == 1:
+            return cls(lambda: XGrammarState(grammars[0]))
+        return cls([XGrammarState(g) for g in grammars])
+
+
+def _xgrammar_compiler(tokenizer, vocab_size: int | None):
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ImportError("Grammars need xgrammar: pip install 'hf_specdec[grammar]'.") from e
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    return xgrammar.GrammarCompiler(info)
+
+
+def _xgrammar_hf_processor(proc) -> GrammarLogitsProcessor | None:
+    cls = type(proc)
+    if cls.__name__ != "LogitsProcessor" or not cls.__module__.startswith("xgrammar."):
+        return None
+    if proc.matchers:
+        raise ValueError(
+            "This xgrammar.contrib.hf.LogitsProcessor was already used by an earlier generate call (its matchers have "
+            "advanced); xgrammar's processor serves one call: create a new one for each generate call."
+        )
+    return GrammarLogitsProcessor.from_xgrammar(proc.compiled_grammars)
+
+
+_DRIVERS: list[Callable[[object], LogitsProcessor | None]] = [_xgrammar_hf_processor]
+
+
+def speculation_safe_processor(proc) -> LogitsProcessor:
+    """``proc`` itself, or, for a grammar processor whose state the loop can drive (``xgrammar.contrib.hf.
+    LogitsProcessor``), a :class:`GrammarLogitsProcessor` over the same grammar(s) with fresh states (``proc`` is
+    not touched)."""
+    for driver in _DRIVERS:
+        driven = driver(proc)
+        if driven is not None:
+            return driven
+    return proc

@@ -1,0 +1,225 @@
+"""Grammar-constrained generation with speculation (``hf_specdec.generation.grammar``).
+
+The user's own ``xgrammar.contrib.hf.LogitsProcessor`` with ``assistant_model=`` added returns exactly what plain
+constrained ``generate`` returns (greedy, fp32, batch 1 and a ragged batch), every output is accepted by the grammar,
+the user's processor object is left untouched, and sampling keeps the constrained target's law (with a control that
+skips the rollback and must fail). Tokenizer infos are built from the test vocabularies: no download.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+
+import pytest
+import torch
+import xgrammar as xgr
+from helpers import EOS, VOCAB, make_oracle, make_target, ragged_batch
+from transformers.generation.logits_process import LogitsProcessorList
+
+from hf_specdec import AutoModelForDrafting, Eagle3Config
+from hf_specdec.generation.grammar import GrammarLogitsProcessor, OutlinesCoreState, XGrammarState, unpack_bitmask
+
+# ids 0..5 are the tiny targets' specials (PAD 0, EOS 5); then JSON's characters, letters, digits and a few words
+JSON_VOCAB = ["<pad>", "<s>", "<unk>", "<x>", "<y>", "<eos>"] + list('{}[]:,"') + [" ", "\n"]
+JSON_VOCAB += list(string.digits) + list(string.ascii_lowercase)
+JSON_VOCAB += ['"name"', '"n"', '": ', ", ", "true", "false", "null", "ab", "cd", '"}', '{"', "12"]
+JSON_VOCAB += [f"w{i}" for i in range(VOCAB - len(JSON_VOCAB))]
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer"}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+
+
+def compiled_schema(vocab=JSON_VOCAB, stop=(EOS,)):
+    info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, stop_token_ids=list(stop))
+    return xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+
+
+def user_processor():
+    """What a user passes today: xgrammar's own HF processor (a new one per generate call)."""
+    return xgr.contrib.hf.LogitsProcessor(compiled_schema())
+
+
+def accepted_by_grammar(tokens: list[int]) -> bool:
+    matcher = xgr.GrammarMatcher(compiled_schema())
+    return all(matcher.accept_token(t) for t in tokens if not matcher.is_terminated())
+
+
+def generated(out, ids):
+    """Each row's generated tokens, up to and with its EOS (the padding after it dropped)."""
+    rows = out[:, ids.shape[1] :].tolist()
+    return [row[: row.index(EOS) + 1] if EOS in row else row for row in rows]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("drafter_kind", ["eagle3", "oracle"])
+def test_xgrammar_processor_with_a_drafter_returns_plain_constrained_output(batch, drafter_kind):
+    target = make_target("llama", seed=3, sharpen=4.0)
+    ids, mask = ragged_batch(batch, length=7)
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False)
+    ref = target.generate(ids, logits_processor=[user_processor()], **kwargs)
+    if drafter_kind == "oracle":  # drafts the constrained continuation, a third of it corrupted: accepts and rejects
+        drafter = make_oracle(target, ref[:, ids.shape[1] :], corruption=0.3)
+    else:  # an untrained EAGLE-3 head: it drafts from grammar-masked scores
+        torch.manual_seed(0)
+        drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3))
+    proc = user_processor()
+    out = target.generate(ids, logits_processor=[proc], assistant_model=drafter, return_dict_in_generate=True,
+                          **kwargs)  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    assert proc.matchers == []  # the user's processor was not consumed: the loop drove matchers of its own
+    rows = generated(ref, ids)
+    assert all(accepted_by_grammar(row) for row in rows)
+    assert any(len(row) > 3 for row in rows)
+    if drafter_kind == "oracle":
+        assert max(max(r) for r in out.accepted_lengths) > 1  # some drafts were accepted under the grammar
+
+
+def test_the_grammar_output_parses_when_the_target_finishes():
+    """With a target nudged towards the schema's tokens, the greedy output ends with EOS and is valid JSON of the
+    schema, with and without a drafter."""
+    target = make_target("llama", seed=1, sharpen=2.0)
+    with torch.no_grad():  # favour the tokens the schema needs, so the object closes within the budget
+        bias = torch.zeros(VOCAB)
+        for tok in ['{"', '"name"', '": ', "ab", '"', ", ", '"n"', "12", "}", "<eos>"]:
+            bias[JSON_VOCAB.index(tok)] = 6.0
+        target.lm_head.bias = torch.nn.Parameter(bias)
+    ids = torch.tensor([[7, 9, 11]])
+    ref = target.generate(ids, logits_processor=[user_processor()], max_new_tokens=40, do_sample=False)
+    drafter = make_oracle(target, ref[:, 3:], corruption=0.2)
+    out = target.generate(ids, logits_processor=[user_processor()], assistant_model=drafter, max_new_tokens=40,
+                          do_sample=False)  # fmt: skip
+    assert torch.equal(out, ref)
+    tokens = out[0, 3:].tolist()
+    assert tokens[-1] == EOS
+    value = json.loads("".join(JSON_VOCAB[t] for t in tokens[:-1]))
+    assert set(value) == {"name", "n"} and isinstance(value["n"], int) and len(value["name"]) <= 6
+
+
+def test_a_used_xgrammar_processor_is_refused_with_what_to_do():
+    target = make_target("llama", seed=3)
+    proc = user_processor()
+    ids = torch.tensor([[7, 9, 11]])
+    target.generate(ids, logits_processor=[proc], max_new_tokens=3, do_sample=False)
+    drafter = make_oracle(target, torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="create a new one for each generate call"):
+        target.generate(ids, logits_processor=[proc], assistant_model=drafter, max_new_tokens=3, do_sample=False)
+
+
+def test_the_processor_is_a_pure_function_of_the_prefix():
+    """Shown prefixes out of order (as the loop shows draft positions, then rejects some), every mask equals the
+    mask of a fresh matcher advanced along that prefix."""
+    grammar = compiled_schema()
+    proc = GrammarLogitsProcessor.from_xgrammar(grammar)
+    prompt = torch.tensor([[7, 9]])
+    good = [JSON_VOCAB.index(t) for t in ['{"', "n", "a", "m", "e", '": ', '"', "ab"]]
+    other = [JSON_VOCAB.index(t) for t in ['{"', "n", "a", "m", "e", '"', ":", " ", '"', "cd"]]  # same text, other tokens
+    shown = [good[:1], good[:3], good[:2], good, [], other, good[:6], other[:8], good, other[:3]]
+    proc(prompt, torch.zeros(1, VOCAB))
+    for prefix in shown:
+        scores = proc(torch.cat([prompt, torch.tensor([prefix], dtype=torch.long)], 1), torch.zeros(1, VOCAB))
+        fresh = XGrammarState(grammar)
+        assert all(fresh.advance(t) for t in prefix)
+        assert torch.equal(torch.isfinite(scores[0]), fresh.allowed()), prefix
+
+
+def test_unpack_bitmask_reads_bit_i_of_word_i_over_32():
+    words = torch.tensor([(1 << 0) | (1 << 31), 1 << 2], dtype=torch.int64).to(torch.int32)
+    mask = unpack_bitmask(words, 40)
+    assert mask.nonzero().squeeze(-1).tolist() == [0, 31, 34]
+
+
+def test_outlines_core_state_follows_its_regex():
+    import outlines_core
+
+    vocab = outlines_core.Vocabulary(3, {"a": [0], "b": [1], "ab": [2]})
+    index = outlines_core.Index("(ab)+", vocab)
+    state = OutlinesCoreState(index, vocab_size=4, eos_token_id=3)
+    assert state.allowed().nonzero().squeeze(-1).tolist() == [0, 2]
+    assert state.advance(0) and not state.advance(0)  # "a" then "a" breaks (ab)+
+    assert state.allowed().nonzero().squeeze(-1).tolist() == [1]
+    state.rollback(1)
+    assert state.advance(2) and state.allowed()[3]  # after "ab" the EOS id may end it
+    assert state.advance(3) and state.is_terminated() and not state.advance(0)
+    state.rollback(2)  # the EOS and the "ab" before it
+    assert state.allowed().nonzero().squeeze(-1).tolist() == [0, 2] and not state.is_terminated()
+
+
+# ------------------------------------------------------------------------------------------- sampling stays lossless
+SAMPLING_VOCAB = list("abcdefgh") + list("01234567")  # the sampling target's 16 ids
+SAMPLING_GRAMMAR = 'root ::= ([a-d] [0-3] | "e" "f" [4-7])+'
+
+
+def sampling_grammar():
+    info = xgr.TokenizerInfo(SAMPLING_VOCAB, vocab_type=xgr.VocabType.RAW, stop_token_ids=[])
+    return xgr.GrammarCompiler(info).compile_grammar(SAMPLING_GRAMMAR)
+
+
+class _NoRollback(GrammarLogitsProcessor):
+    """The control: forgets to roll its states back, so rejected draft tokens stay in the grammar state."""
+
+    def _allowed_after(self, b, tokens):
+        state, accepted = self.states[b], self._accepted[b]
+        for token in tokens[len(accepted) :] if tokens[: len(accepted)] == accepted else tokens:
+            if not state.advance(token):
+                return None
+            accepted.append(token)
+        return state.allowed()
+
+
+def constrained_laws(target, prompt, grammar):
+    """The exact law of the sampling check's first tokens under the grammar (a fresh matcher per path)."""
+    from sampling_check import exact_laws
+
+    def mask(prefixes, scores):
+        out = scores.clone()
+        for i, row in enumerate(prefixes[:, len(prompt) :].tolist()):
+            state = XGrammarState(grammar)
+            assert all(state.advance(t) for t in row)
+            out[i, ~state.allowed()] = float("-inf")
+        return out
+
+    return exact_laws(target, prompt, extra_processors=LogitsProcessorList([mask]))
+
+
+def test_grammar_sampling_keeps_the_constrained_target_law_and_the_control_fails():
+    from sampling_check import PROMPT, describe, fails_check, law_pvalues, sample, sampling_target
+
+    target, grammar = sampling_target(), sampling_grammar()
+    laws = constrained_laws(target, PROMPT, grammar)
+    torch.manual_seed(6)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3))
+    out, gen = sample(target, drafter, prompt=PROMPT, logits_processor=[GrammarLogitsProcessor.from_xgrammar(grammar)])
+    assert any(max(row) > 1 for row in out.accepted_lengths[:200])
+    pvalues = law_pvalues(gen, laws)
+    assert not fails_check(pvalues), f"the output law differs from the constrained target's: {describe(pvalues)}"
+    _, bad = sample(target, drafter, prompt=PROMPT, logits_processor=[_NoRollback.from_xgrammar(grammar)])
+    assert fails_check(law_pvalues(bad, laws)), "the check cannot tell a processor without rollback apart"
+
+
+def test_hf_specdecs_own_regex_grammar_from_a_tokenizer():
+    """``GrammarLogitsProcessor.from_regex(pattern, tokenizer)``: the same output with and without a drafter, and it
+    matches the pattern."""
+    import re
+
+    from helpers import char_tokenizer
+
+    from hf_specdec import GrammarLogitsProcessor as Exported
+
+    tok = char_tokenizer()
+    target = make_target("llama", seed=2, sharpen=3.0)
+    pattern = "[a-c]{3}-[0-9]{2}(x|yz)"
+
+    def proc():
+        return Exported.from_regex(pattern, tok, vocab_size=VOCAB)
+
+    ids = torch.tensor([[7, 9, 11, 13]])
+    ref = target.generate(ids, logits_processor=[proc()], max_new_tokens=12, do_sample=False)
+    drafter = make_oracle(target, ref[:, 4:], corruption=0.3)
+    out = target.generate(ids, logits_processor=[proc()], assistant_model=drafter, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, ref)
+    text = tok.decode(ref[0, 4:], skip_special_tokens=True)
+    assert re.fullmatch(pattern, text), text
