@@ -154,9 +154,7 @@ def markdown(result: dict) -> str:
     edges = [f"{b['p_top1'][0]:.1f}–{b['p_top1'][1]:.1f}" for b in result["sets"][0]["buckets"]]
     lines += ["| set | " + " | ".join(edges) + " |", "|:---|" + "---:|" * len(edges)]
     for s in result["sets"]:
-        cells = [
-            "—" if b["acc_0"] is None else f"{b['acc_0']:.2f} ({b['share']:.0%})" for b in s["buckets"]
-        ]
+        cells = ["—" if b["acc_0"] is None else f"{b['acc_0']:.2f} ({b['share']:.0%})" for b in s["buckets"]]
         lines.append(f"| {s['set']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

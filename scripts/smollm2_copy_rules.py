@@ -22,6 +22,7 @@ Writes ``model_cards/results/smollm2-copy-rules.{json,md}``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -40,6 +41,11 @@ def chains(drafter, example, k: int) -> torch.Tensor:
     layers = [h[None].float() for h in example["target_hidden_states"].unbind(0)]
     steps = drafter.ttt_forward(ids, layers, steps=k)
     return torch.stack([drafter.draft_token_ids[logits[0].argmax(-1)] for logits, _ in steps], dim=1)
+
+
+def _chain_after(drafted: torch.Tensor, c: int) -> torch.Tensor:
+    """The chain drafted after committing ``ids[:c]`` (anchor ``c - 2`` drafts token ``c`` first)."""
+    return drafted[c - 2]
 
 
 def leading_matches(proposal: torch.Tensor, truth: torch.Tensor) -> int:
@@ -90,7 +96,7 @@ def simulate(drafter, features_dir: str, k: int, copy_tokens: int) -> dict:
         ids = ex["input_ids"]
         start = int(ex["loss_mask"].bool().nonzero()[0])
         drafted = chains(drafter, ex, k)
-        chain_at = lambda c: drafted[c - 2]  # noqa: E731 - the chain drafted after committing ids[:c]
+        chain_at = functools.partial(_chain_after, drafted)
         for rule in RULES:
             for i, v in enumerate(walk(rule, ids, start, chain_at, copy_tokens)):
                 totals[rule][i] += v

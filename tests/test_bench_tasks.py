@@ -7,8 +7,10 @@ import os
 import time
 
 import pytest
+import torch
 from helpers import char_tokenizer, make_oracle, make_target
 
+from hf_specdec import AutoModelForDrafting, Eagle3Config
 from hf_specdec.bench.prompts import PromptItem
 from hf_specdec.bench.runner import drafter_method, plain_method, run_benchmark
 from hf_specdec.bench.tasks import arithmetic_problems, extract_code, last_number, load_task, run_sandboxed
@@ -180,3 +182,49 @@ def test_cli_task_and_prompts_are_exclusive(capsys):
     assert main(["bench", "--task", "arithmetic", "--prompts", "demo", "--no-peers"]) == 2
     err = capsys.readouterr().err
     assert "not both" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------------------------------ json
+def test_json_task_prompts_are_disjoint_and_scored_by_their_schema():
+    from hf_specdec.bench.tasks import follows_schema, json_prompts
+    from hf_specdec.chat_prompts import benchmark_texts, chat_training_prompts, check_disjoint
+
+    task = load_task("json")
+    assert len(task.items) == 12 and set(task.schemas) == {item.id for item in task.items}
+    texts = [item.messages[0]["content"] for item in task.items]
+    training = [r["prompt"] for r in chat_training_prompts(300)]
+    assert check_disjoint(texts, training + benchmark_texts()) == []
+    item, schema = json_prompts()[0]  # person: name, age, city
+    assert task.score(item, '{"name": "Ada", "age": 70, "city": "Brest"}')
+    assert not task.score(item, '{"name": "Ada", "age": "70", "city": "Brest"}')  # age must be an integer
+    assert not task.score(item, '{"name": "Ada", "age": 70}') and not task.score(item, "not json")
+    assert not follows_schema({"name": "A", "age": 1, "city": "B", "extra": 1}, schema)
+    assert follows_schema(["a", "b"], {"type": "array", "items": {"type": "string"}, "maxItems": 2})
+    assert not follows_schema([1, 2, 3], {"type": "array", "items": {"type": "integer"}, "maxItems": 2})
+
+
+def _integer_or_boolean(item, text: str) -> bool:
+    import re
+
+    return bool(re.fullmatch(r"-?[0-9]+", text)) if item.id == "0" else text in ("true", "false")
+
+
+def test_benchmark_with_schemas_constrains_every_method_and_keeps_identity():
+    """Every method decodes under its prompt's grammar (a fresh processor per generate call): the outputs follow the
+    schema, the drafter's match plain's, and the chains with and without forced tokens are both measured."""
+    target, tok, items, _ = _setup()
+    schemas = {"0": {"type": "integer"}, "1": {"type": "boolean"}}
+    torch.manual_seed(0)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3))
+    methods = [
+        plain_method(),
+        drafter_method(drafter, forced_tokens=True),
+        drafter_method(drafter, forced_tokens=False),
+    ]
+    report = run_benchmark(target, tok, methods, items, max_new_tokens=8, warmup=1, progress=False, schemas=schemas,
+                           scorer=_integer_or_boolean)  # fmt: skip
+    recs = {r["method"]: r for r in report["records"] if r["category"] == "all"}
+    assert len(recs) == 3 and all(r["identical"] for r in recs.values())
+    assert any(name.endswith("forced=off") for name in recs) and any(name.endswith("forced=on") for name in recs)
+    for rec in recs.values():
+        assert rec["task_accuracy"] == 1.0 or rec["length_cap_hits"] > 0

@@ -18,7 +18,13 @@ from helpers import EOS, VOCAB, make_oracle, make_target, ragged_batch
 from transformers.generation.logits_process import LogitsProcessorList
 
 from hf_specdec import AutoModelForDrafting, Eagle3Config
-from hf_specdec.generation.grammar import GrammarLogitsProcessor, OutlinesCoreState, XGrammarState, unpack_bitmask
+from hf_specdec.generation.grammar import (
+    GrammarLogitsProcessor,
+    LLGuidanceState,
+    OutlinesCoreState,
+    XGrammarState,
+    unpack_bitmask,
+)
 
 # ids 0..5 are the tiny targets' specials (PAD 0, EOS 5); then JSON's characters, letters, digits and a few words
 JSON_VOCAB = ["<pad>", "<s>", "<unk>", "<x>", "<y>", "<eos>"] + list('{}[]:,"') + [" ", "\n"]
@@ -116,7 +122,9 @@ def test_the_processor_is_a_pure_function_of_the_prefix():
     proc = GrammarLogitsProcessor.from_xgrammar(grammar)
     prompt = torch.tensor([[7, 9]])
     good = [JSON_VOCAB.index(t) for t in ['{"', "n", "a", "m", "e", '": ', '"', "ab"]]
-    other = [JSON_VOCAB.index(t) for t in ['{"', "n", "a", "m", "e", '"', ":", " ", '"', "cd"]]  # same text, other tokens
+    other = [
+        JSON_VOCAB.index(t) for t in ['{"', "n", "a", "m", "e", '"', ":", " ", '"', "cd"]
+    ]  # same text, other tokens
     shown = [good[:1], good[:3], good[:2], good, [], other, good[:6], other[:8], good, other[:3]]
     proc(prompt, torch.zeros(1, VOCAB))
     for prefix in shown:
@@ -194,6 +202,7 @@ def test_grammar_sampling_keeps_the_constrained_target_law_and_the_control_fails
     drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3))
     out, gen = sample(target, drafter, prompt=PROMPT, logits_processor=[GrammarLogitsProcessor.from_xgrammar(grammar)])
     assert any(max(row) > 1 for row in out.accepted_lengths[:200])
+    assert out.timings["forced_rows"] > 0  # after "e" the grammar forces "f": verified as a point mass
     pvalues = law_pvalues(gen, laws)
     assert not fails_check(pvalues), f"the output law differs from the constrained target's: {describe(pvalues)}"
     _, bad = sample(target, drafter, prompt=PROMPT, logits_processor=[_NoRollback.from_xgrammar(grammar)])
@@ -223,3 +232,128 @@ def test_hf_specdecs_own_regex_grammar_from_a_tokenizer():
     assert torch.equal(out, ref)
     text = tok.decode(ref[0, 4:], skip_special_tokens=True)
     assert re.fullmatch(pattern, text), text
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_grammar_with_an_eagle2_tree_returns_plain_constrained_output(batch):
+    """Tree nodes are scored with their own paths' prefixes: the grammar state rolls back between branches."""
+    target = make_target("llama", seed=3, sharpen=4.0)
+    ids, mask = ragged_batch(batch, length=7)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False)
+    ref = target.generate(ids, logits_processor=[user_processor()], **kwargs)
+    torch.manual_seed(0)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=4))
+    out = target.generate(ids, logits_processor=[user_processor()], assistant_model=drafter, tree="eagle2",
+                          tree_depth=3, tree_top_k=3, tree_total_tokens=8, **kwargs)  # fmt: skip
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("draft_length", ["adaptive", "fixed"])
+def test_forced_tokens_are_verified_without_the_drafter_and_keep_identity(batch, draft_length):
+    """The schema forces its keys and punctuation ('{"', 'name', '": '...): those passes verify the forced tokens
+    (``timings["forced_rows"]``), and the output stays plain constrained decoding's."""
+    target = make_target("llama", seed=3, sharpen=4.0)
+    ids, mask = ragged_batch(batch, length=7)
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False)
+    ref = target.generate(ids, logits_processor=[user_processor()], **kwargs)
+    torch.manual_seed(0)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3))
+    out = target.generate(ids, logits_processor=[user_processor()], assistant_model=drafter,
+                          draft_length=draft_length, return_dict_in_generate=True, **kwargs)  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    assert out.timings["forced_rows"] > 0
+    assert max(max(row) for row in out.accepted_lengths) > 1
+
+
+def test_forced_continuations_are_the_tokens_the_mask_allows_alone_then_the_forced_text():
+    """After '{"' the schema's first key must follow: 'n', 'a', 'm', 'e' are each the only token the mask allows;
+    then the text '": ' is forced but can be spelt '"' ':' ' ' or '": ', and xgrammar's jump-forward tokens give one
+    spelling. At the start '{' and '{"' both fit the mask: the forced text '{"name": ' comes as jump-forward tokens."""
+    proc = GrammarLogitsProcessor.from_xgrammar(compiled_schema())
+    prompt = torch.tensor([[7, 9]])
+    proc(prompt, torch.zeros(1, VOCAB))
+    start = proc.forced_continuations(prompt, torch.tensor([2]), 10)[0]
+    assert "".join(JSON_VOCAB[t] for t in start) == '{"name": '
+    seq = torch.tensor([[7, 9, JSON_VOCAB.index('{"')]])
+    forced = proc.forced_continuations(seq, torch.tensor([3]), 10)[0]
+    assert [JSON_VOCAB[t] for t in forced[:4]] == ["n", "a", "m", "e"]
+    assert "".join(JSON_VOCAB[t] for t in forced) == 'name": '
+    assert proc.forced_continuations(seq, torch.tensor([3]), 2)[0] == forced[:2]
+    scores = proc(seq, torch.zeros(1, VOCAB))  # the state is back where it was: the mask after '{"'
+    assert torch.isfinite(scores[0]).nonzero().squeeze(-1).tolist() == [JSON_VOCAB.index("n")]
+
+
+def test_forced_tokens_can_be_turned_off():
+    target = make_target("llama", seed=3, sharpen=4.0)
+    ids = torch.tensor([[7, 9, 11]])
+    ref = target.generate(ids, logits_processor=[user_processor()], max_new_tokens=16, do_sample=False)
+    torch.manual_seed(0)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3))
+    out = target.generate(ids, logits_processor=[user_processor()], assistant_model=drafter, max_new_tokens=16,
+                          do_sample=False, grammar_forced_tokens=False, return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, ref) and out.timings["forced_rows"] == 0
+
+
+def byte_level_tokenizer():
+    """A character-level fast tokenizer with a byte-level decoder over the test vocabulary (llguidance reads
+    byte-level and SentencePiece tokenizers; ids 0..5 are the tiny target's specials)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["<pad>", "<s>", "<unk>", "<x>", "<y>", "<eos>"] + list(string.ascii_letters + string.digits + "-.,:")
+    vocab = {c: i for i, c in enumerate(chars[:VOCAB])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def test_llguidance_state_drives_the_loop_like_xgrammar():
+    """The same regex through llguidance: its state follows the grammar, rolls back, and speculative decoding with it
+    returns plain constrained decoding's output."""
+    import re
+
+    import llguidance
+    import llguidance.hf
+
+    tok = byte_level_tokenizer()
+    lltok = llguidance.hf.from_tokenizer(tok, n_vocab=VOCAB)
+    grammar = llguidance.LLMatcher.grammar_from_regex("[a-c]{3}-[0-9]{2}")
+    state = LLGuidanceState(lltok, grammar, VOCAB)
+    a, dash, one = tok.convert_tokens_to_ids(["a", "-", "1"])
+    assert state.allowed()[a] and not state.allowed()[dash]
+    assert all(state.advance(a) for _ in range(3)) and not state.advance(a)  # a fourth letter breaks [a-c]{3}
+    assert state.allowed().nonzero().squeeze(-1).tolist() == [dash]
+    state.rollback(2)
+    assert state.allowed()[a] and not state.allowed()[dash]
+    nine = tok.convert_tokens_to_ids("9")
+    assert all(state.advance(t) for t in (a, a, dash, one, nine)) and not state.is_terminated()
+    assert state.allowed().nonzero().squeeze(-1).tolist() == [EOS]  # the regex is complete: only the end is left
+    assert state.advance(EOS) and state.is_terminated() and not state.advance(a)
+    state.rollback(3)  # the end, "9" and "1"
+    assert state.allowed()[one] and not state.is_terminated()
+
+    target = make_target("llama", seed=2, sharpen=3.0)
+    ids = torch.tensor([[7, 9, 11, 13]])
+
+    def proc():
+        return GrammarLogitsProcessor(lambda: LLGuidanceState(lltok, grammar, VOCAB))
+
+    ref = target.generate(ids, logits_processor=[proc()], max_new_tokens=12, do_sample=False)
+    drafter = make_oracle(target, ref[:, 4:], corruption=0.3)
+    out = target.generate(ids, logits_processor=[proc()], assistant_model=drafter, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, ref)
+    assert ref[0, -1] == EOS and re.fullmatch("[a-c]{3}-[0-9]{2}", tok.decode(ref[0, 4:], skip_special_tokens=True))
+
+
+def test_a_stateful_grammar_processor_that_cannot_be_driven_is_refused_by_name():
+    class OutlinesLikeProcessor:  # keeps a guide it advances on every call, like outlines' HF processors
+        def __call__(self, input_ids, scores):
+            return scores
+
+    target = make_target("llama", seed=3)
+    drafter = make_oracle(target, torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="OutlinesLikeProcessor.*GrammarLogitsProcessor"):
+        target.generate(torch.tensor([[7, 9]]), logits_processor=[OutlinesLikeProcessor()], assistant_model=drafter,
+                        max_new_tokens=3, do_sample=False)  # fmt: skip

@@ -546,10 +546,16 @@ def _rag_prompt(rng: random.Random, groups) -> str:
     chunks = []
     first = None
     for _ in range(rng.randint(3, 5)):
-        source, group = groups[rng.randrange(len(groups))]
+        g = rng.randrange(len(groups))
+        source, group = groups[g]
         first = first or source
-        text = " ".join(group[rng.randrange(len(group)) :])[: rng.randint(600, 1100)]
-        chunks.append(text.rsplit(" ", 1)[0])
+        paras = group[rng.randrange(len(group)) :]
+        limit = rng.randint(600, 1100)
+        for _, following in groups[g + 1 :] + groups[:g]:  # a short tail runs on into the next documents
+            if sum(map(len, paras)) >= limit:
+                break
+            paras = paras + following
+        chunks.append(" ".join(paras)[:limit].rsplit(" ", 1)[0])
     return "\n".join(chunks) + "\n" + rng.choice(_LONG_QUESTIONS).format(s=_subject(first))
 
 

@@ -388,7 +388,6 @@ def run_demo(
     return summary
 
 
-
 def _print_header(spec, model, drafter, label: str, prompts, categories, max_new_tokens: int, dtype: str) -> None:
     params = sum(p.numel() for p in model.parameters()) / 1e6
     if spec.name == "demo-code":
@@ -401,6 +400,7 @@ def _print_header(spec, model, drafter, label: str, prompts, categories, max_new
         f"{len(prompts)} {which} x {max_new_tokens} new tokens, greedy, batch size 1, {dtype}",
         flush=True,
     )
+
 
 def _check_demo_options(spec, num_draft_tokens, train: bool) -> None:
     if num_draft_tokens is not None and int(num_draft_tokens) < 1:

@@ -333,7 +333,8 @@ def _markdown_document(report: dict, records: list[dict], png_name: str) -> str:
             "## Task accuracy",
             "",
             f"Scored by `{config.get('prompts', 'the task')}`: pass@1 for code (the task's tests, run sandboxed), exact "
-            "match for arithmetic. Outputs run to their natural EOS; those cut by the length cap are counted apart.",
+            "match for arithmetic, for JSON whether the output parses and follows its schema. Outputs run to their "
+            "natural EOS; those cut by the length cap are counted apart.",
             "",
             tasks,
             "",

@@ -151,10 +151,12 @@ def drafter_method(
     draft_options: dict | None = None,
     draft_length: str | None = None,
     lookup_tokens: int | None = None,
+    forced_tokens: bool | None = None,
 ) -> BenchMethod:
     """An hf_specdec drafter (``target.generate(assistant_model=drafter)``), optionally with a verifier, drafting
     options (e.g. ``{"tree": "eagle2", "tree_depth": 5}``), a draft-length mode (``"adaptive"``, the loop's
-    default, or ``"fixed"``) and the merged prompt lookup's length (``lookup_tokens``; 0: off)."""
+    default, or ``"fixed"``), the merged prompt lookup's length (``lookup_tokens``; 0: off) and whether a grammar's
+    forced tokens are verified before drafting (``forced_tokens``; the loop's default: yes)."""
     from ..verification import VERIFIERS
 
     kwargs: dict = {"assistant_model": drafter, "spec_timing": True}
@@ -174,6 +176,8 @@ def drafter_method(
         kwargs["draft_length"] = draft_length
     if lookup_tokens is not None:
         kwargs["lookup_tokens"] = int(lookup_tokens)
+    if forced_tokens is not None:
+        kwargs["grammar_forced_tokens"] = bool(forced_tokens)
     if name is None:
         family = drafter.config.model_type.removesuffix("_drafter")
         source = os.path.basename(str(getattr(drafter, "name_or_path", "") or "").rstrip("/")) or "drafter"
@@ -197,6 +201,8 @@ def drafter_method(
             shape += " fixed"
         if lookup_tokens is not None:
             shape += f" lookup={lookup_tokens}"
+        if forced_tokens is not None:
+            shape += f" forced={'on' if forced_tokens else 'off'}"
         name = f"{family}:{source} {shape}" + (f" [{label}]" if label else "")
     return BenchMethod(name=name, kind="drafter", model=drafter, generate_kwargs=kwargs, approximate=approximate)
 
@@ -429,6 +435,7 @@ def run_benchmark(
     progress: bool = True,
     config: dict | None = None,
     scorer=None,
+    schemas: dict[str, dict] | None = None,
 ) -> dict:
     """Runs every method on every prompt, interleaved, and returns a report (see :mod:`hf_specdec.bench.report`).
 
@@ -450,9 +457,11 @@ def run_benchmark(
         scorer: ``score(item, text) -> bool`` for a task with checkable answers
             (:func:`hf_specdec.bench.tasks.load_task`): every method's first-repeat output of every prompt, decoded
             up to its first EOS, is scored, giving ``task_accuracy`` per record.
+        schemas: per prompt id, a JSON schema its output is constrained to (every method, plain included, decodes
+            under it: a fresh :class:`~hf_specdec.GrammarLogitsProcessor` per ``generate`` call, through xgrammar).
     """
     _check_arguments(prompts, methods, max_new_tokens, repeats, warmup, batch_sizes, temperatures)
-    bench = _Benchmark(target, tokenizer, methods, prompts, max_new_tokens, top_p, max_prompt_tokens)
+    bench = _Benchmark(target, tokenizer, methods, prompts, max_new_tokens, top_p, max_prompt_tokens, schemas)
     settings = [(t, b) for t in temperatures for b in batch_sizes]
     load_record = bench.time_all(settings, warmup, repeats, seed, progress)
     bench.score_approximate_methods()
@@ -503,8 +512,9 @@ class _Benchmark:
     encoded prompts, the forward counters; then the timed runs (:meth:`time_all`) and the untimed checks of their
     outputs (log-likelihood of approximate methods, task scores, classified greedy mismatches)."""
 
-    def __init__(self, target, tokenizer, methods, prompts, max_new_tokens, top_p, max_prompt_tokens):
+    def __init__(self, target, tokenizer, methods, prompts, max_new_tokens, top_p, max_prompt_tokens, schemas=None):
         self.target, self.tokenizer, self.prompts = target, tokenizer, prompts
+        self.grammars = _SchemaGrammars(schemas, tokenizer, target) if schemas else None
         self.max_new_tokens, self.top_p = max_new_tokens, top_p
         self.methods = list(methods)
         if not any(m.kind == "plain" and m.target is None for m in self.methods):
@@ -563,9 +573,11 @@ class _Benchmark:
             mask[i, width - s.numel() :] = 1
         return ids.to(self.input_device), mask.to(self.input_device)
 
-    def method_kwargs(self, method: BenchMethod, temperature: float) -> dict:
+    def method_kwargs(self, method: BenchMethod, temperature: float, batch: list[PromptItem]) -> dict:
         kwargs = dict(method.generate_kwargs)
         kwargs.update(max_new_tokens=self.max_new_tokens, pad_token_id=self.pad_id)
+        if self.grammars is not None:  # a fresh grammar processor per generate call, one grammar per row
+            kwargs["logits_processor"] = LogitsProcessorList([self.grammars.processor(batch)])
         if temperature > 0:
             top_p = 1.0 if self.top_p is None else self.top_p
             kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=top_p)
@@ -589,8 +601,9 @@ class _Benchmark:
         for counter in [*self.target_counters.values(), *self.assistant_counters.values()]:
             counter.remove()
 
-    def run_once(self, method: BenchMethod, ids, mask, temperature: float, run_seed: int) -> _Run:
-        kwargs = self.method_kwargs(method, temperature)
+    def run_once(self, method: BenchMethod, batch, temperature: float, run_seed: int) -> _Run:
+        ids, mask = self.make_inputs(batch)
+        kwargs = self.method_kwargs(method, temperature, batch)
         if method.kind == "drafter":
             kwargs["return_dict_in_generate"] = True
         counter = self.assistant_counters.get(method.name)
@@ -641,16 +654,14 @@ class _Benchmark:
             for temperature, bsz in settings:
                 batches = self.batches_of.setdefault(bsz, _batches(self.prompts, bsz))
                 active = self._active_methods(temperature, bsz)
-                ids, mask = self.make_inputs(batches[0])
                 for _ in range(warmup):
                     for method in active:
-                        self.run_once(method, ids, mask, temperature, seed)
+                        self.run_once(method, batches[0], temperature, seed)
                 for rep in range(repeats):
                     for b_idx, batch in enumerate(batches):
-                        ids, mask = self.make_inputs(batch)
                         shift = (rep + b_idx) % len(active)
                         for method in active[shift:] + active[:shift]:
-                            run = self.run_once(method, ids, mask, temperature, seed + 1000 * rep + b_idx)
+                            run = self.run_once(method, batch, temperature, seed + 1000 * rep + b_idx)
                             self.results.setdefault((method.name, temperature, bsz, b_idx), []).append(run)
                             bar.update(1)
                         bar.update(len(self.methods) - len(active))
@@ -706,7 +717,7 @@ class _Benchmark:
         step_logits = {}
         if any(found.values()):
             ids, mask = self.make_inputs(batch)
-            kwargs = self.method_kwargs(baseline, temperature)
+            kwargs = self.method_kwargs(baseline, temperature, batch)
             step_logits = _plain_step_logits(
                 self.model_of(baseline), plain_runs[0], ids, mask, kwargs, found, self.eos_ids, self.input_device
             )
@@ -719,6 +730,28 @@ class _Benchmark:
                     div.update(classify_divergence(logits, div["plain_token"], div["token"], self.rounding_dtype))
                 div["prompt"] = batch[div["row"]].id
             self.results[(name, temperature, bsz, b_idx)][0].divergences = divergences
+
+
+class _SchemaGrammars:
+    """The json task's grammars: each prompt's schema compiled once (xgrammar, over the target's vocabulary), and a
+    fresh :class:`~hf_specdec.GrammarLogitsProcessor` over a batch's grammars for every ``generate`` call."""
+
+    def __init__(self, schemas: dict[str, dict], tokenizer, target):
+        from ..generation.grammar import xgrammar_compiler
+
+        self.schemas = schemas
+        self.compiler = xgrammar_compiler(tokenizer, target.get_output_embeddings().weight.shape[0])
+        self.compiled: dict = {}
+
+    def processor(self, batch: list[PromptItem]):
+        import json
+
+        from ..generation.grammar import GrammarLogitsProcessor
+
+        for item in batch:
+            if item.id not in self.compiled:
+                self.compiled[item.id] = self.compiler.compile_json_schema(json.dumps(self.schemas[item.id]))
+        return GrammarLogitsProcessor.from_xgrammar([self.compiled[item.id] for item in batch])
 
 
 def _record_loop_timings(run: _Run, out, sequence_length: int) -> None:

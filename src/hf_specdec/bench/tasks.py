@@ -8,6 +8,9 @@ of token identity, so the audit needs tasks whose answers can be checked here, w
   time limit and resource limits (:func:`run_sandboxed`).
 * ``arithmetic``: one- and two-step word problems generated from templates with known integer answers; exact match
   of the last number in the answer.
+* ``json``: prompts that ask for a JSON object of a given schema (written for this benchmark); every method decodes
+  under the schema's grammar (``Task.schemas``: the benchmark passes a grammar processor per row) and the score is
+  whether the output parses and follows the schema (:func:`follows_schema`).
 
 Both are generated to natural EOS (the chat model's end-of-turn) under a generous length cap; the benchmark reports
 the runs that hit the cap separately. :func:`load_task` returns the prompts and a scorer ``score(item, text) ->
@@ -16,6 +19,7 @@ bool``, which ``run_benchmark(..., scorer=...)`` applies to every method's first
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -27,9 +31,19 @@ from dataclasses import dataclass
 
 from .prompts import PromptItem
 
-__all__ = ["TASKS", "Task", "load_task", "run_sandboxed", "extract_code", "last_number", "arithmetic_problems"]
+__all__ = [
+    "TASKS",
+    "Task",
+    "load_task",
+    "run_sandboxed",
+    "extract_code",
+    "last_number",
+    "arithmetic_problems",
+    "json_prompts",
+    "follows_schema",
+]
 
-TASKS = ("humaneval", "arithmetic")
+TASKS = ("humaneval", "arithmetic", "json")
 
 
 @dataclass
@@ -39,7 +53,8 @@ class Task:
     name: str
     items: list[PromptItem]
     score: Callable[[PromptItem, str], bool]
-    metric: str  # "pass@1" or "exact match"
+    metric: str  # "pass@1", "exact match" or "schema valid"
+    schemas: dict[str, dict] | None = None  # per item id: the JSON schema its output is constrained to
 
 
 def load_task(name: str, max_items: int | None = None, seed: int = 0, timeout: float = 10.0) -> Task:
@@ -48,6 +63,8 @@ def load_task(name: str, max_items: int | None = None, seed: int = 0, timeout: f
         task = _humaneval(timeout)
     elif name == "arithmetic":
         task = _arithmetic(max_items or 100, seed)
+    elif name == "json":
+        task = _json_task()
     else:
         raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}.")
     if max_items is not None:
@@ -221,3 +238,90 @@ def _arithmetic(n: int, seed: int) -> Task:
         return value is not None and value == answers[item.id]
 
     return Task("arithmetic", items, score, "exact match")
+
+
+# ------------------------------------------------------------------------------------------------------------- json
+_JSON_SCHEMAS = {
+    "person": ({"name": "string", "age": "integer", "city": "string"}, ["a retired lighthouse keeper",
+                                                                         "a young violin maker"]),
+    "book": ({"title": "string", "author": "string", "year": "integer", "genres": ["string"]},
+             ["a mystery novel set on a night train", "a cookbook about soups from the mountains"]),
+    "product": ({"name": "string", "price": "number", "in_stock": "boolean"},
+                ["a solar-powered garden lamp", "a pair of waterproof hiking boots"]),
+    "event": ({"title": "string", "date": "string", "location": "string", "attendees": "integer"},
+              ["a small town's spring kite festival", "a chess tournament for schools"]),
+    "recipe": ({"name": "string", "servings": "integer", "ingredients": ["string"]},
+               ["a lentil soup", "a lemon cake"]),
+    "movie": ({"title": "string", "year": "integer", "director": "string", "rating": "number"},
+              ["a science-fiction film about a lost space probe", "a comedy about two rival bakers"]),
+}  # fmt: skip
+
+
+def _schema(fields: dict) -> dict:
+    def prop(kind):
+        return (
+            {"type": "array", "items": {"type": kind[0]}, "maxItems": 4} if isinstance(kind, list) else {"type": kind}
+        )
+
+    return {
+        "type": "object",
+        "properties": {name: prop(kind) for name, kind in fields.items()},
+        "required": list(fields),
+        "additionalProperties": False,
+    }
+
+
+def json_prompts() -> list[tuple[PromptItem, dict]]:
+    """The json task's prompts with their schemas: two subjects for each of six schemas, written for this benchmark
+    (no training prompt asks for them)."""
+    out = []
+    for kind, (fields, subjects) in _JSON_SCHEMAS.items():
+        for i, subject in enumerate(subjects):
+            keys = ", ".join(f'"{k}"' for k in fields)
+            text = (
+                f"Describe {subject} as a JSON object with the keys {keys}. Invent plausible values and answer with "
+                "the JSON object only."
+            )
+            item = PromptItem(id=f"json-{kind}-{i}", category=kind, messages=[{"role": "user", "content": text}])
+            out.append((item, _schema(fields)))
+    return out
+
+
+def follows_schema(value, schema: dict) -> bool:
+    """Whether ``value`` follows ``schema`` (the subset the json task uses: object with required properties and no
+    others, arrays with ``items`` and ``maxItems``, and the scalar types)."""
+    kind = schema.get("type")
+    if kind == "object":
+        props = schema.get("properties", {})
+        return (
+            isinstance(value, dict)
+            and all(k in value for k in schema.get("required", []))
+            and (schema.get("additionalProperties", True) or set(value) <= set(props))
+            and all(follows_schema(value[k], props[k]) for k in value if k in props)
+        )
+    if kind == "array":
+        return (
+            isinstance(value, list)
+            and len(value) <= schema.get("maxItems", len(value))
+            and all(follows_schema(v, schema.get("items", {})) for v in value)
+        )
+    checks = {
+        "string": lambda v: isinstance(v, str),
+        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "boolean": lambda v: isinstance(v, bool),
+    }
+    return checks.get(kind, lambda v: True)(value)
+
+
+def _json_task() -> Task:
+    pairs = json_prompts()
+    schemas = {item.id: schema for item, schema in pairs}
+
+    def score(item: PromptItem, text: str) -> bool:
+        try:
+            return follows_schema(json.loads(text), schemas[item.id])
+        except ValueError:
+            return False
+
+    return Task("json", [item for item, _ in pairs], score, "schema valid", schemas=schemas)

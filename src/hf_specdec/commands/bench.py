@@ -48,15 +48,17 @@ def _bench_methods(args, target):
             for k in (args.num_draft_tokens or [None]) if chain else [None]:
                 for mode in args.draft_length or [None]:
                     for lookup in (args.lookup_tokens or [None]) if chain else [None]:
-                        methods.append(
-                            drafter_method(
-                                drafter,
-                                num_draft_tokens=k,
-                                draft_options=draft_options,
-                                draft_length=mode,
-                                lookup_tokens=lookup,
+                        for forced in args.grammar_forced_tokens or [None]:
+                            methods.append(
+                                drafter_method(
+                                    drafter,
+                                    num_draft_tokens=k,
+                                    draft_options=draft_options,
+                                    draft_length=mode,
+                                    lookup_tokens=lookup,
+                                    forced_tokens=None if forced is None else forced == "on",
+                                )
                             )
-                        )
                 for verifier in args.verifier or []:
                     # matched against the strict rows: the same draft length mode and lookup (the first given)
                     methods.append(
@@ -216,7 +218,8 @@ def _tree_options(args, tree: str) -> dict | None:
 
 
 def _prompts_and_scorer(args, shortcut):
-    """``--task`` (scored prompts and their scorer) or ``--prompts``: ``(prompts, scorer or None, source name)``."""
+    """``--task`` (scored prompts and their scorer) or ``--prompts``: ``(prompts, scorer or None, source name,
+    the task's JSON schemas or None)``."""
     from ..bench.prompts import load_prompts
 
     if args.task:
@@ -225,9 +228,9 @@ def _prompts_and_scorer(args, shortcut):
         from ..bench.tasks import load_task
 
         task = load_task(args.task, max_items=args.max_prompts)
-        return task.items, task.score, f"task:{args.task}"
+        return task.items, task.score, f"task:{args.task}", task.schemas
     source = args.prompts or (shortcut.prompts if shortcut is not None else "demo")
-    return load_prompts(source, categories=args.categories, max_per_category=args.max_prompts), None, source
+    return load_prompts(source, categories=args.categories, max_per_category=args.max_prompts), None, source, None
 
 
 def _add_task_flag(p) -> None:
@@ -255,7 +258,7 @@ def _bench(args) -> int:
     shortcut = _demo_target_of(args)
     if args.drafter is None and shortcut is not None:
         demo_drafter_path(shortcut)  # a missing packaged drafter fails before the target is loaded
-    prompts, scorer, source = _prompts_and_scorer(args, shortcut)
+    prompts, scorer, source, schemas = _prompts_and_scorer(args, shortcut)
     if args.split != "all":
         from ..bench.asd_tune import split_prompts
 
@@ -282,6 +285,7 @@ def _bench(args) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         config={"prompts": source, "target": shortcut.title if shortcut is not None else args.target},
         scorer=scorer,
+        schemas=schemas,
     )
     paths = write_report(report, args.out, stem=args.stem)
     print(format_console_table(report))
@@ -321,7 +325,12 @@ def _asd_tune(args) -> int:
     drafter_path = args.drafter or (demo_drafter_path(shortcut) if shortcut is not None else None)
     if drafter_path is None:
         raise SystemExit("give --drafter for a --target that is a model folder or Hub id.")
-    prompts, scorer, source = _prompts_and_scorer(args, shortcut)
+    prompts, scorer, source, schemas = _prompts_and_scorer(args, shortcut)
+    if schemas:
+        raise SystemExit(
+            f"hf-specdec asd-tune: --task {args.task} constrains its outputs; audit ASD on a task whose "
+            "outputs are free (humaneval, arithmetic) and time it with hf-specdec bench --task json."
+        )
     target, tokenizer = _bench_target(args)
     drafter = AutoModelForDrafting.from_pretrained(drafter_path).eval()
     drafter.check_target_compatibility(target)
@@ -399,6 +408,14 @@ def _add_bench_parser(sub) -> None:
         default=None,
         help="lengths of the prompt-lookup copies merged into drafted chains to measure (default: the loop's, 10; "
         "0: off)",
+    )
+    p.add_argument(
+        "--grammar-forced-tokens",
+        nargs="+",
+        choices=["on", "off"],
+        default=None,
+        help="with --task json: measure chains that verify the tokens the grammar forces before drafting (on, the "
+        "loop's default) and chains that do not (off)",
     )
     p.add_argument("--verifier", nargs="+", default=None, help="also measure these verifiers (e.g. asd, typical)")
     _add_verifier_flags(p)

@@ -12,11 +12,19 @@ Backends (each an optional dependency) implement :class:`GrammarState`:
 
 * xgrammar (:class:`XGrammarState`): ``GrammarMatcher.accept_token`` / ``rollback`` / ``fill_next_token_bitmask``;
 * outlines-core (:class:`OutlinesCoreState`): ``Guide(index, max_rollback=...)`` with ``advance`` /
-  ``rollback_state`` / ``write_mask_into``.
+  ``rollback_state`` / ``write_mask_into``;
+* llguidance (:class:`LLGuidanceState`): ``LLMatcher.consume_token`` / ``validate_tokens`` / ``rollback`` and
+  ``llguidance.torch.fill_next_token_bitmask``.
 
 A user's own ``xgrammar.contrib.hf.LogitsProcessor`` is recognised (:func:`speculation_safe_processor`): the loop
 takes its compiled grammar(s) and drives fresh matchers of its own, at the processor's place in the chain, and the
 user's processor object is left untouched.
+
+Forced tokens are free drafts: where the grammar allows exactly one continuation (JSON keys and punctuation, fixed
+literals), :meth:`GrammarLogitsProcessor.forced_continuations` gives it (the tokens its mask allows one at a time,
+then xgrammar's jump-forward tokens: the forced text in one tokenization of the several a BPE vocabulary may allow),
+and the loop verifies it before asking the drafter, as point masses (lossless, greedy or sampled; a token the mask
+allows alone is always accepted, a jump-forward token when the target picks that tokenization).
 
 Masks follow the processor they replace exactly, so greedy output equals plain constrained ``generate``: the first
 call of a row is its prompt (no token accepted); a prefix the grammar rejects is never committed (the target gives
@@ -27,7 +35,8 @@ token) the mask stays the one before that token, as xgrammar's processor leaves 
 from __future__ import annotations
 
 import json
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from transformers import LogitsProcessor
@@ -37,7 +46,9 @@ __all__ = [
     "GrammarLogitsProcessor",
     "XGrammarState",
     "OutlinesCoreState",
+    "LLGuidanceState",
     "speculation_safe_processor",
+    "xgrammar_compiler",
     "unpack_bitmask",
 ]
 
@@ -90,6 +101,10 @@ class XGrammarState:
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
 
+    def jump_forward_tokens(self) -> list[int]:
+        """The text the grammar forces from here, in xgrammar's tokenization of it (one of those the mask allows)."""
+        return [int(t) for t in self.matcher.find_jump_forward_tokens()]
+
 
 class OutlinesCoreState:
     """A row's state as an ``outlines_core.Guide`` over ``index`` (``max_rollback`` accepted tokens can be undone;
@@ -128,6 +143,58 @@ class OutlinesCoreState:
 
     def is_terminated(self) -> bool:
         return self._ended
+
+
+class LLGuidanceState:
+    """A row's state as an ``llguidance.LLMatcher`` for ``grammar`` (an llguidance grammar, e.g.
+    ``LLMatcher.grammar_from_json_schema(...)``) over ``tokenizer`` (an ``llguidance.LLTokenizer``, e.g.
+    ``llguidance.hf.from_tokenizer(hf_tokenizer)``). Tokens are validated before they are consumed (a rejected
+    token would put the matcher in its error state). The matcher stops by itself where the grammar cannot go on and
+    then allows only the end of sequence; accepting that token here terminates the state."""
+
+    def __init__(self, tokenizer, grammar: str, vocab_size: int):
+        import llguidance
+
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar)
+        if self.matcher.is_error():
+            raise ValueError(f"llguidance rejected the grammar: {self.matcher.get_error()}")
+        self.vocab_size = int(vocab_size)
+        self.eos_token_id = int(tokenizer.eos_token)
+        self._ended = False  # the end of sequence was accepted
+        self._ended_outside = False  # ... after the matcher had stopped (so it is not in the matcher's history)
+
+    def allowed(self) -> torch.Tensor:
+        import llguidance.torch
+
+        words = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
+        llguidance.torch.fill_next_token_bitmask(self.matcher, words, 0)
+        return unpack_bitmask(words[0], self.vocab_size)
+
+    def advance(self, token: int) -> bool:
+        token = int(token)
+        if self._ended:
+            return False
+        if self.matcher.is_stopped():
+            self._ended = self._ended_outside = bool(self.allowed()[token])
+            return self._ended
+        if self.matcher.validate_tokens([token]) != 1 or not self.matcher.consume_token(token):
+            return False
+        self._ended = token == self.eos_token_id
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and self._ended:
+            if self._ended_outside:
+                num_tokens -= 1
+            self._ended = self._ended_outside = False
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self._ended
+
+    def jump_forward_tokens(self) -> list[int]:
+        return [int(t) for t in self.matcher.compute_ff_tokens()]
 
 
 class GrammarLogitsProcessor(LogitsProcessor):
@@ -175,18 +242,9 @@ class GrammarLogitsProcessor(LogitsProcessor):
     def _allowed_after(self, b: int, tokens: list[int]) -> torch.Tensor | None:
         """Row ``b``'s mask after ``tokens``; ``None`` when the grammar rejects them (a prefix that is never
         committed: its scores stay as they are)."""
+        if not self._sync(b, tokens):
+            return None
         state, accepted = self.states[b], self._accepted[b]
-        common = 0
-        for x, y in zip(accepted, tokens):
-            if x != y:
-                break
-            common += 1
-        state.rollback(len(accepted) - common)
-        del accepted[common:]
-        for token in tokens[common:]:
-            if not state.advance(token):
-                return None
-            accepted.append(token)
         if accepted and state.is_terminated():
             # as the processors it replaces: after the stop token the mask stays the one before it
             last = accepted[-1]
@@ -196,22 +254,70 @@ class GrammarLogitsProcessor(LogitsProcessor):
             return allowed
         return state.allowed()
 
+    def _sync(self, b: int, tokens: list[int]) -> bool:
+        """Brings row ``b``'s state to ``tokens``: rolls back to the common prefix with what it has accepted, then
+        advances along the rest; ``False`` when the grammar rejects one of them."""
+        state, accepted = self.states[b], self._accepted[b]
+        common = 0
+        for x, y in zip(accepted, tokens):
+            if x != y:
+                break
+            common += 1
+        state.rollback(len(accepted) - common)
+        del accepted[common:]
+        for token in tokens[common:]:
+            if state.is_terminated() or not state.advance(token):  # nothing follows the stop token
+                return False
+            accepted.append(token)
+        return True
+
+    def forced_continuations(self, seq: torch.LongTensor, lengths: torch.LongTensor, limit: int) -> list[list[int]]:
+        """Per row, at most ``limit`` tokens the grammar forces after ``seq[b, :lengths[b]]`` (the row's prompt and
+        committed tokens): as long as its mask allows exactly one token, that token (always accepted: the target
+        gives every other token probability zero); then, where the backend has it, the rest of the text the grammar
+        forces in its own tokenization (xgrammar's jump-forward tokens: a BPE vocabulary can spell a forced key in
+        several ways, and the target usually picks that one). Drafts that need no drafter. Empty for a row before
+        the first call, a terminated row, or one where the grammar leaves a choice."""
+        if self._prompt_len is None or limit <= 0:
+            return [[] for _ in range(seq.shape[0])]
+        return [
+            self._forced(b, seq[b, self._prompt_len : end].tolist(), limit) for b, end in enumerate(lengths.tolist())
+        ]
+
+    def _forced(self, b: int, tokens: list[int], limit: int) -> list[int]:
+        if not self._sync(b, tokens):
+            return []
+        state, forced = self.states[b], []
+        while len(forced) < limit and not state.is_terminated():
+            allowed = state.allowed().nonzero()
+            if allowed.numel() != 1 or not state.advance(int(allowed[0])):
+                break
+            forced.append(int(allowed[0]))
+        jump = getattr(state, "jump_forward_tokens", None)
+        if jump is not None and len(forced) < limit and not state.is_terminated():
+            for token in jump()[: limit - len(forced)]:
+                if not state.advance(token):
+                    break
+                forced.append(token)
+        state.rollback(len(forced))
+        return forced
+
     @classmethod
     def from_json_schema(cls, schema, tokenizer, vocab_size: int | None = None) -> GrammarLogitsProcessor:
         """Output that is a JSON value of ``schema`` (a dict or its JSON text), through xgrammar; ``vocab_size``:
         the model's (its LM head may have more rows than the tokenizer has tokens)."""
         text = schema if isinstance(schema, str) else json.dumps(schema)
-        return cls.from_xgrammar(_xgrammar_compiler(tokenizer, vocab_size).compile_json_schema(text))
+        return cls.from_xgrammar(xgrammar_compiler(tokenizer, vocab_size).compile_json_schema(text))
 
     @classmethod
     def from_regex(cls, pattern: str, tokenizer, vocab_size: int | None = None) -> GrammarLogitsProcessor:
         """Output that matches the regular expression ``pattern``, through xgrammar."""
-        return cls.from_xgrammar(_xgrammar_compiler(tokenizer, vocab_size).compile_regex(pattern))
+        return cls.from_xgrammar(xgrammar_compiler(tokenizer, vocab_size).compile_regex(pattern))
 
     @classmethod
     def from_ebnf(cls, grammar: str, tokenizer, vocab_size: int | None = None) -> GrammarLogitsProcessor:
         """Output of the EBNF ``grammar`` (xgrammar's GBNF dialect, rule ``root``), through xgrammar."""
-        return cls.from_xgrammar(_xgrammar_compiler(tokenizer, vocab_size).compile_grammar(grammar))
+        return cls.from_xgrammar(xgrammar_compiler(tokenizer, vocab_size).compile_grammar(grammar))
 
     @classmethod
     def from_xgrammar(cls, compiled_grammars) -> GrammarLogitsProcessor:
@@ -223,7 +329,9 @@ class GrammarLogitsProcessor(LogitsProcessor):
         return cls([XGrammarState(g) for g in grammars])
 
 
-def _xgrammar_compiler(tokenizer, vocab_size: int | None):
+def xgrammar_compiler(tokenizer, vocab_size: int | None):
+    """An ``xgrammar.GrammarCompiler`` for ``tokenizer`` (``vocab_size``: the model's, when its LM head has more
+    rows than the tokenizer has tokens)."""
     try:
         import xgrammar
     except ImportError as e:

@@ -453,7 +453,8 @@ class LoopStats:
         self.draft_log: list[torch.Tensor] = []  # per pass: (batch,) draft tokens proposed
         self.draft_steps = 0  # sequential draft positions, counted once per batch
         self.lookup_rows = 0  # row-passes whose chain was switched to a prompt-lookup copy
-        self.lookup_passes = 0  # passes that verified prompt-lookup copies alone (instead of a plain step)
+        self.lookup_passes = 0  # passes that verified copies or grammar-forced tokens alone (nothing drafted)
+        self.forced_rows = 0  # row-passes that verified the tokens their grammar forces
         self.stats_log: dict[str, list[torch.Tensor]] = {}
         self.forwards = torch.zeros(bsz, dtype=torch.long, device=device)
         self.t_start = self.clock()
@@ -552,6 +553,7 @@ class DecodingOptions:
         tree_kwargs / policy: the tree options and their policy (``None``: chains).
         draft_length: ``"adaptive"`` or ``"fixed"``.
         lookup_tokens: longest prompt-lookup copy merged into chains (0: off; always 0 with trees).
+        forced_tokens: whether chains verify the tokens a grammar processor forces before asking the drafter.
         width_max / depth_max: most draft nodes in a pass / most tokens a pass can accept.
         max_length / max_new: the length limit and the tokens it leaves after the prompt.
     """
@@ -564,6 +566,7 @@ class DecodingOptions:
     policy: Any
     draft_length: str
     lookup_tokens: int
+    forced_tokens: bool
     width_max: int
     depth_max: int
     max_length: int
@@ -571,7 +574,7 @@ class DecodingOptions:
 
     @classmethod
     def resolve(cls, drafter, generation_config, prompt_len: int, num_draft_tokens, verifier, verifier_options,
-                draft_options, draft_length, lookup_tokens) -> DecodingOptions:  # fmt: skip
+                draft_options, draft_length, lookup_tokens, forced_tokens=True) -> DecodingOptions:  # fmt: skip
         max_length, max_new = _generation_room(generation_config, prompt_len)
         k_max = int(num_draft_tokens if num_draft_tokens is not None else drafter.config.num_draft_tokens)
         if k_max < 1:
@@ -595,7 +598,7 @@ class DecodingOptions:
         return cls(
             k_max=k_max, do_sample=do_sample, verifier=get_verifier(verifier, do_sample, **verifier_options),
             draft_options=draft_options, tree_kwargs=tree_kwargs, policy=policy, draft_length=draft_length,
-            lookup_tokens=lookup_tokens, width_max=width_max,
+            lookup_tokens=lookup_tokens, forced_tokens=bool(forced_tokens), width_max=width_max,
             depth_max=policy.max_depth if policy is not None else width_max, max_length=max_length, max_new=max_new,
         )  # fmt: skip
 
@@ -627,14 +630,31 @@ def _check_draft_depth(drafter, policy, k_max: int) -> None:
         )
 
 
+def _overlay(copy: Proposal | None, forced: torch.Tensor, counts: torch.Tensor, do_sample: bool, vocab: int):
+    """The rows' forced tokens over ``copy`` (rows without forced tokens keep their copy, if any), as one proposal
+    of point masses."""
+    width = max(forced.shape[1], copy.tokens.shape[1] if copy is not None else 0)
+    tokens = forced.new_zeros(forced.shape[0], width)
+    lengths = counts.clone()
+    if copy is not None:
+        keep = counts == 0
+        tokens[keep, : copy.tokens.shape[1]] = copy.tokens[keep]
+        lengths[keep] = copy.lengths[keep]
+    has = counts > 0
+    tokens[has, : forced.shape[1]] = forced[has]
+    probs = torch.nn.functional.one_hot(tokens, vocab).to(torch.float32) if do_sample else None
+    return Proposal(tokens=tokens, draft_probs=probs, lengths=lengths)
+
+
 @dataclass
 class _Pass:
     """One decoding pass, from its plan to its feedback."""
 
-    k: int  # tokens asked of the drafter (0: a plain step, or a prompt-lookup copy alone)
+    k: int  # tokens asked of the drafter (0: a plain step, or copies / forced tokens alone)
     limit: int  # most draft tokens the length limit allows
     proposal: Proposal | None = None
-    copy: Proposal | None = None  # the rows' prompt-lookup copies, when the adaptive length takes them first
+    copy: Proposal | None = None  # tokens verified before the drafter's: grammar-forced tokens, lookup copies
+    forced: bool = False  # some row verifies tokens its grammar forces (a pass the adaptive length did not choose)
     lookup_only: bool = False  # the pass verifies prompt-lookup copies alone (nothing drafted)
     catchup_s: float = 0.0  # the drafter's catch-up on earlier plain steps, before drafting
     catchup_slots: int = 0
@@ -773,7 +793,7 @@ class SpeculativeDecoder:
         t4 = self.stats.add("draft_s", t3)
         if step.k > 0:
             self.stats.timings["drafting_s"] += (t1 - step.t_start - step.catchup_s) + (t4 - t3)
-        if self.controller is not None:
+        if self.controller is not None and not step.forced:
             self.controller.update(step.k, drafted, committed, ~finished_before, t4 - step.t_start, step.lookup_only,
                                    step.catchup_s, step.catchup_slots)  # fmt: skip
         self.step_index += 1
@@ -788,7 +808,7 @@ class SpeculativeDecoder:
         else:
             k = self.controller.choose(limit, pending_slots)
         step = _Pass(k=k, limit=limit, t_start=self.stats.clock())
-        step.copy = self._copies_first(k, limit, pending_slots)
+        step.copy = self._copies_first(step, pending_slots)
         if step.copy is not None and bool((step.copy.lengths > 0)[~self.committed.finished].all()):
             step.k = 0  # every row verifies its copy: nothing to draft
         if step.k > 0 and self.pending:  # the drafter catches up on the plain steps it did not see
@@ -797,19 +817,44 @@ class SpeculativeDecoder:
             step.catchup_s, step.catchup_slots = self.stats.clock() - step.t_start, pending_slots
         return step
 
-    def _copies_first(self, k: int, limit: int, pending_slots: int) -> Proposal | None:
-        """The rows' prompt-lookup copies when the adaptive length takes them before the drafter's chain: some row's
-        last n-gram occurred before, and copies have been measured to commit more tokens per second than the chosen
-        draft length (or a plain step) would (:meth:`DraftLengthController.use_lookup`). ``None`` otherwise."""
-        opts = self.options
-        if not opts.lookup_tokens or self.controller is None or opts.policy is not None or limit <= 0:
+    def _copies_first(self, step: _Pass, pending_slots: int) -> Proposal | None:
+        """The tokens rows verify before (or instead of) the drafter's chain: what their grammar forces, always
+        (:meth:`GrammarLogitsProcessor.forced_continuations`: tokens its mask allows alone, then the forced text's
+        jump-forward tokens), else, with the adaptive length, prompt-lookup copies where some row's last n-gram occurred before and copies
+        have been measured to commit more tokens per second than the chosen draft length (or a plain step) would
+        (:meth:`DraftLengthController.use_lookup`). ``None`` when no row has any."""
+        opts, limit = self.options, step.limit
+        if opts.policy is not None or limit <= 0:
             return None
-        copy = lookup_proposal(self.seq, self.starts, self.committed.lengths, min(opts.lookup_tokens, limit),
-                               self.vocab, opts.do_sample, ~self.committed.finished)  # fmt: skip
-        if copy is None:
+        copy = None
+        if opts.lookup_tokens and self.controller is not None:
+            copy = lookup_proposal(self.seq, self.starts, self.committed.lengths, min(opts.lookup_tokens, limit),
+                                   self.vocab, opts.do_sample, ~self.committed.finished)  # fmt: skip
+            chosen = self.controller.rate(step.k, pending_slots) if step.k > 0 else 1.0
+            if copy is not None and not self.controller.use_lookup(chosen or 1.0):
+                copy = None
+        forced = self._forced_tokens(min(limit, opts.width_max)) if opts.forced_tokens else None
+        if forced is None:
+            return copy
+        step.forced = True
+        return _overlay(copy, *forced, opts.do_sample, self.vocab)
+
+    def _forced_tokens(self, limit: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(tokens, counts)``: per row the tokens its grammar forces next (none for finished rows); ``None`` when
+        no row has one or the chain has no grammar processor."""
+        grammar = self.processor.grammar
+        if grammar is None:
             return None
-        chosen = self.controller.rate(k, pending_slots) if k > 0 else 1.0
-        return copy if self.controller.use_lookup(chosen or 1.0) else None
+        rows = grammar.forced_continuations(self.seq, self.committed.lengths, limit)
+        counts = torch.tensor([len(r) for r in rows], device=self.work)
+        counts.masked_fill_(self.committed.finished, 0)
+        if int(counts.max()) == 0:
+            return None
+        tokens = self.seq.new_zeros(self.bsz, int(counts.max()))
+        for b, r in enumerate(rows):
+            tokens[b, : len(r)] = torch.tensor(r, dtype=tokens.dtype)
+        self.stats.forced_rows += int((counts > 0).sum())
+        return tokens, counts
 
     def _propose(self, step: _Pass) -> None:
         """The pass's proposal: empty (a plain step), the prompt-lookup copies alone, a tree, or a drafted chain
@@ -836,8 +881,9 @@ class SpeculativeDecoder:
         copies_first = step.copy is not None
         if copies_first or (opts.lookup_tokens > step.k and step.limit > step.k):
             copy_len = min(opts.lookup_tokens, step.limit)
+            first = (step.copy.tokens, step.copy.lengths) if copies_first else None
             proposal, copied = merge_lookup(proposal, self.seq, self.starts, lengths, copy_len,
-                                            agree=0 if copies_first else None)  # fmt: skip
+                                            agree=0 if copies_first else None, continuations=first)  # fmt: skip
             self.stats.lookup_rows += int(copied.sum())
         step.proposal = proposal
 
@@ -904,6 +950,7 @@ class SpeculativeDecoder:
         stats.finish()
         stats.timings.update(
             plain_steps=self.plain_steps, lookup_rows=stats.lookup_rows, lookup_passes=stats.lookup_passes,
+            forced_rows=stats.forced_rows,
             cache_compactions=self.target.compactions, cache_length=int(self.cache.get_seq_length()),
         )  # fmt: skip
         out_seq = self.committed.sequences(self.pad_value).to(self.in_device)
@@ -944,6 +991,7 @@ def speculative_generate(
     draft_options: dict | None = None,
     draft_length: str | None = None,
     lookup_tokens: int | None = None,
+    grammar_forced_tokens: bool = True,
     spec_streamer=None,
     spec_timing: bool = False,
     **model_kwargs,
@@ -973,6 +1021,10 @@ def speculative_generate(
             drafts that copy instead, up to this many tokens. With the adaptive length, a pass that would be a
             plain step verifies the copies alone where that is measured to pay. Default 10; 0 turns it off. Also
             read from ``generation_config.lookup_tokens``.
+        grammar_forced_tokens: with a grammar processor (``hf_specdec.GrammarLogitsProcessor``, or xgrammar's own
+            HF processor, which the loop drives), a pass first verifies the tokens the grammar forces (where its
+            mask allows one token alone, then the forced text's jump-forward tokens) without asking the drafter.
+            ``False`` turns that off.
         spec_timing: synchronise the accelerator around the drafter and target calls so that the wall-clock split
             reported in ``timings`` is exact on CUDA (costs a little speed; on CPU the split is always exact).
 
@@ -986,7 +1038,8 @@ def speculative_generate(
     if synced_gpus:
         raise ValueError("synced_gpus (DeepSpeed ZeRO-3 / FSDP generation) is not supported by hf_specdec yet.")
     options = DecodingOptions.resolve(drafter, generation_config, input_ids.shape[1], num_draft_tokens, verifier,
-                                      verifier_options, draft_options, draft_length, lookup_tokens)  # fmt: skip
+                                      verifier_options, draft_options, draft_length, lookup_tokens,
+                                      grammar_forced_tokens)  # fmt: skip
     decoder = SpeculativeDecoder(model, drafter, input_ids, options, generation_config, logits_processor,
                                  stopping_criteria, spec_streamer if spec_streamer is not None else streamer,
                                  spec_timing, model_kwargs)  # fmt: skip

@@ -104,9 +104,11 @@ def merge_lookup(
     num_tokens: int,
     agree: int | None = None,
     ngram_sizes: tuple[int, ...] | None = None,
+    continuations: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[Proposal, torch.Tensor]:
     """The drafter's chain ``proposal`` with prompt-lookup copies merged in (see the module docstring); ``agree`` and
-    ``ngram_sizes`` default to the module's :data:`AGREE` and :data:`NGRAM_SIZES`.
+    ``ngram_sizes`` default to the module's :data:`AGREE` and :data:`NGRAM_SIZES`. ``continuations``: the rows'
+    ``(tokens, counts)`` to merge instead of looking them up (e.g. tokens a grammar forces).
 
     Returns the merged proposal (unchanged when no row switched) and a ``(batch,)`` bool tensor of the rows that
     switched to a copy.
@@ -117,13 +119,17 @@ def merge_lookup(
     agree = min(AGREE if agree is None else agree, k)
     if k == 0 or num_tokens <= agree:
         return proposal, switched
-    cont, count = lookup_continuations(seq, starts, lengths, num_tokens, ngram_sizes or NGRAM_SIZES)
+    if continuations is None:
+        continuations = lookup_continuations(seq, starts, lengths, num_tokens, ngram_sizes or NGRAM_SIZES)
+    cont, count = continuations
     own = proposal.lengths if proposal.lengths is not None else torch.full((bsz,), k, device=device)
     same = (proposal.tokens[:, :agree] == cont[:, :agree]).all(dim=1)  # all True when agree == 0
     switched = same & (count > agree) & (own >= agree)
     if not bool(switched.any()):
         return proposal, switched
     width = max(k, int(count[switched].max()))
+    if cont.shape[1] < width:
+        cont = torch.nn.functional.pad(cont, (0, width - cont.shape[1]))
     tokens = torch.zeros(bsz, width, dtype=proposal.tokens.dtype, device=device)
     tokens[:, :k] = proposal.tokens
     tokens[switched] = cont[switched, :width]
