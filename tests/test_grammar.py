@@ -357,3 +357,18 @@ def test_a_stateful_grammar_processor_that_cannot_be_driven_is_refused_by_name()
     with pytest.raises(ValueError, match="OutlinesLikeProcessor.*GrammarLogitsProcessor"):
         target.generate(torch.tensor([[7, 9]]), logits_processor=[OutlinesLikeProcessor()], assistant_model=drafter,
                         max_new_tokens=3, do_sample=False)  # fmt: skip
+
+
+def test_copies_are_cut_where_the_grammar_rejects_them():
+    """A draft (e.g. a prompt-lookup copy) is cut before its first token the grammar rejects: the target would give
+    it probability zero, so the cut loses nothing and the pass verifies fewer tokens."""
+    proc = GrammarLogitsProcessor.from_xgrammar(compiled_schema())
+    prompt = torch.tensor([[7, 9], [7, 9]])
+    proc(prompt, torch.zeros(2, VOCAB))
+    ids = [JSON_VOCAB.index(t) for t in ['{"', "n", "a", "m", "e", '"', "}", "x"]]
+    seq = torch.cat([prompt, torch.tensor([ids[:1], ids[:1]])], 1)
+    proposal = torch.tensor([ids[1:], ids[1:]])
+    counts = torch.tensor([7, 3])
+    assert proc.valid_prefix_lengths(seq, torch.tensor([3, 3]), proposal, counts).tolist() == [5, 3]  # '}' breaks
+    scores = proc(seq, torch.zeros(2, VOCAB))  # the states are back after '{"'
+    assert torch.isfinite(scores).sum(-1).tolist() == [1, 1]

@@ -284,6 +284,26 @@ class GrammarLogitsProcessor(LogitsProcessor):
             self._forced(b, seq[b, self._prompt_len : end].tolist(), limit) for b, end in enumerate(lengths.tolist())
         ]
 
+    def valid_prefix_lengths(self, seq: torch.LongTensor, lengths: torch.LongTensor, proposal: torch.LongTensor,
+                             counts: torch.LongTensor) -> torch.LongTensor:  # fmt: skip
+        """Per row, how many leading tokens of ``proposal[b, :counts[b]]`` the grammar accepts after
+        ``seq[b, :lengths[b]]``: a draft cut there loses nothing (the target gives the first rejected token
+        probability zero) and its pass verifies fewer tokens."""
+        out = torch.zeros_like(counts)
+        if self._prompt_len is None:
+            return counts.clone()
+        for b, (end, n) in enumerate(zip(lengths.tolist(), counts.tolist())):
+            if n == 0 or not self._sync(b, seq[b, self._prompt_len : end].tolist()):
+                continue
+            state, valid = self.states[b], 0
+            for token in proposal[b, :n].tolist():
+                if state.is_terminated() or not state.advance(token):
+                    break
+                valid += 1
+            state.rollback(valid)
+            out[b] = valid
+        return out
+
     def _forced(self, b: int, tokens: list[int], limit: int) -> list[int]:
         if not self._sync(b, tokens):
             return []

@@ -830,6 +830,7 @@ class SpeculativeDecoder:
         if opts.lookup_tokens and self.controller is not None:
             copy = lookup_proposal(self.seq, self.starts, self.committed.lengths, min(opts.lookup_tokens, limit),
                                    self.vocab, opts.do_sample, ~self.committed.finished)  # fmt: skip
+            copy = self._grammar_valid(copy)
             chosen = self.controller.rate(step.k, pending_slots) if step.k > 0 else 1.0
             if copy is not None and not self.controller.use_lookup(chosen or 1.0):
                 copy = None
@@ -838,6 +839,16 @@ class SpeculativeDecoder:
             return copy
         step.forced = True
         return _overlay(copy, *forced, opts.do_sample, self.vocab)
+
+    def _grammar_valid(self, copy: Proposal | None) -> Proposal | None:
+        """``copy`` with each row's copy cut where its grammar rejects a token (``None`` when nothing is left)."""
+        grammar = self.processor.grammar
+        if copy is None or grammar is None:
+            return copy
+        lengths = grammar.valid_prefix_lengths(self.seq, self.committed.lengths, copy.tokens, copy.lengths)
+        if int(lengths.max()) == 0:
+            return None
+        return Proposal(tokens=copy.tokens, draft_probs=copy.draft_probs, lengths=lengths.to(copy.lengths.device))
 
     def _forced_tokens(self, limit: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(tokens, counts)``: per row the tokens its grammar forces next (none for finished rows); ``None`` when
