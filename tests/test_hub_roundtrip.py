@@ -62,7 +62,7 @@ def test_push_to_a_local_hub_and_load_back(tmp_path, hub):
     card = ModelCard(files["README.md"].decode())
     assert card.data.base_model == "org/tiny-llama" and card.data.library_name == "hf_specdec"
     assert {"speculative-decoding", "eagle3"} <= set(card.data.tags)
-    assert "| eagle3 K=4 | 0.0 | 1 | 3.21 | 1.87× | yes |" in card.text
+    assert "| eagle3 K=4 | — | 0.0 | 1 | 3.21 | 1.87× | yes |" in card.text  # the report names no dtype
     assert "token-identical" in card.text
     # Download through the real client and generate.
     loaded = AutoModelForDrafting.from_pretrained("org/eagle3-tiny").eval()
@@ -163,9 +163,9 @@ def test_a_card_from_a_multi_drafter_bench_shows_only_its_own_rows():
                 "mean_accepted_length": 1.5, "speedup": speedup, "identical": True}  # fmt: skip
 
     report = {"records": [row("medusa:medusa K=5", 1.04), row("hydra:hydra K=4", 1.07), row("hydra:hydra2 K=4", 1.5)]}
-    table, _ = _results_table(report, "hydra:hydra")
+    table, _ = _results_table([report], "hydra:hydra")
     assert "hydra:hydra K=4" in table and "medusa" not in table and "hydra2" not in table
-    everything, _ = _results_table(report, "eagle3:other")  # no row of its own: the whole comparison
+    everything, _ = _results_table([report], "eagle3:other")  # no row of its own: the whole comparison
     assert everything.count("\n") == 4
 
 
@@ -215,3 +215,19 @@ def test_push_to_an_invalid_repo_id_says_it_is_one_not_a_missing_folder(tmp_path
     assert code == 2 and len(err) == 1, err
     assert f"{repo_id!r} is not a Hub repository id to push to" in err[0] and "no such folder" not in err[0]
     assert len(hub.commits) == commits
+
+
+def test_a_card_from_an_fp32_and_a_bf16_bench_shows_both_with_their_dtype(tmp_path):
+    target = make_target("llama")
+    folder = tmp_path / "drafter"
+    AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config)).save_pretrained(folder)
+    fp32 = _bench_report()
+    bf16 = json.loads(json.dumps(fp32))
+    bf16.setdefault("config", {})["target_dtype"] = "bfloat16"
+    fp32.setdefault("config", {})["target_dtype"] = "float32"
+    for r in bf16["records"]:
+        r["speedup"], r["identical"], r["identical_up_to_near_ties"] = 1.5, False, True
+    card = str(drafter_card(str(folder), bench=[fp32, bf16], base_model="org/tiny-llama"))
+    rows = [line for line in card.splitlines() if line.startswith("| ") and "×" in line]
+    assert any("| float32 |" in line for line in rows) and any("| bfloat16 |" in line for line in rows)
+    assert any("1.50×" in line and "up to classified near-ties" in line for line in rows)

@@ -29,31 +29,37 @@ def _load_bench(bench: str | dict | None) -> dict | None:
     return report
 
 
-def _results_table(report: dict, own_prefix: str | None = None) -> tuple[str, bool]:
-    """The card's results: the bench report's drafter rows, only this drafter's (method names start with
-    ``own_prefix``, ``"<family>:<folder>"``) when the report compares several drafters."""
-    rows = [
-        r
-        for r in report["records"]
-        if r.get("category", "all") == "all" and r.get("kind") == "drafter" and not r.get("skipped")
-    ]
-    if own_prefix:
-        mine = [r for r in rows if str(r.get("method", "")).startswith(own_prefix + " ")]
-        rows = mine or rows
+def _results_table(reports: list[dict], own_prefix: str | None = None) -> tuple[str, bool]:
+    """The card's results: the bench reports' drafter rows, only this drafter's (method names start with
+    ``own_prefix``, ``"<family>:<folder>"``) when a report compares several drafters, with each report's target
+    dtype (an fp32 and a bf16 run side by side)."""
+    rows = []
+    for report in reports:
+        dtype = (report.get("config") or {}).get("target_dtype", "—")
+        mine = [
+            dict(r, dtype=dtype)
+            for r in report["records"]
+            if r.get("category", "all") == "all" and r.get("kind") == "drafter" and not r.get("skipped")
+        ]
+        if own_prefix:
+            mine = [r for r in mine if str(r.get("method", "")).startswith(own_prefix + " ")] or mine
+        rows += mine
     if not rows:
         raise ValueError("The bench report has no measured drafter records to put in the card.")
     approximate = any(r.get("approximate") for r in rows)
     lines = [
-        "| method | temperature | batch | τ | speedup | identical to plain generate |",
-        "|---|---|---|---|---|---|",
+        "| method | target dtype | temperature | batch | τ | speedup | identical to plain generate |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ident = {True: "yes", False: "no", None: "lossless (sampling)"}[r.get("identical")]
+        if r.get("identical") is False and r.get("identical_up_to_near_ties"):
+            ident = "up to classified near-ties"
         if r.get("approximate"):
             div = r.get("divergence_rate")
             ident = "approximate" + (f": {100 * div:.0f} % of outputs differ" if div is not None else "")
         lines.append(
-            f"| {r['method']} | {r.get('temperature', 0)} | {r.get('batch_size')} | "
+            f"| {r['method']} | {r['dtype']} | {r.get('temperature', 0)} | {r.get('batch_size')} | "
             f"{r.get('mean_accepted_length', float('nan')):.2f} | {r.get('speedup', float('nan')):.2f}× | {ident} |"
         )
     return "\n".join(lines), approximate
@@ -62,7 +68,7 @@ def _results_table(report: dict, own_prefix: str | None = None) -> tuple[str, bo
 def drafter_card(
     drafter_or_dir,
     repo_id: str | None = None,
-    bench: str | dict | None = None,
+    bench: str | dict | list | None = None,
     base_model: str | None = None,
     license: str = "apache-2.0",
     datasets: list[str] | None = None,
@@ -75,7 +81,8 @@ def drafter_card(
     Args:
         drafter_or_dir: the drafter, or its folder (``training_record.json`` there is used for training details).
         repo_id: the Hub repository the card is for (usage snippet).
-        bench: an ``hf-specdec bench`` JSON report (path or dict) for the results table.
+        bench: ``hf-specdec bench`` JSON reports (a path or dict, or a list of them, e.g. an fp32 and a bf16 run)
+            for the results table.
         base_model: the target's Hub id; defaults to the drafter config's ``target_model_name_or_path``.
         license, datasets: card metadata.
         recommended_settings: e.g. ``{"verifier": "asd", "asd_budget": 8.0}`` frozen by ``hf-specdec asd-tune``.
@@ -95,10 +102,11 @@ def drafter_card(
         raise ValueError("The drafter's config does not name its target: pass base_model= (the target's Hub id).")
     spec = get_drafter_spec(cfg.model_type)  # the family's name, display name and card wording
     record = _training_record(folder, base_model)
-    report = _load_bench(bench)
+    reports = [_load_bench(b) for b in (bench if isinstance(bench, (list, tuple)) else [bench]) if b is not None]
+    report = reports[0] if reports else None
     folder = os.path.basename(str(getattr(drafter, "name_or_path", "") or "").rstrip("/"))
     prefix = f"{cfg.model_type.removesuffix('_drafter')}:{folder}" if folder else None
-    results, approximate = ("", False) if report is None else _results_table(report, prefix)
+    results, approximate = ("", False) if not reports else _results_table(reports, prefix)
     facts = _facts(drafter, spec, target, layout)
     training = _training_rows(record)
     guarantee = _APPROXIMATE if approximate else _LOSSLESS

@@ -40,7 +40,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--private", action="store_true", default=None)
     p.add_argument("--revision", default=None, help="branch to push to (created if missing)")
     p.add_argument("--commit-message", default=None)
-    p.add_argument("--bench", default=None, help="hf-specdec bench JSON for the card's results table")
+    p.add_argument(
+        "--bench", nargs="+", default=None, help="hf-specdec bench JSON report(s) for the card's results table"
+    )
     p.add_argument("--asd-tune", default=None, help="hf-specdec asd-tune JSON: recommend its frozen ASD settings")
     p.add_argument("--base-model", default=None, help="the target's Hub id (default: from the drafter config)")
     p.add_argument("--license", default="apache-2.0")
