@@ -31,6 +31,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from results_files import write_results  # noqa: E402
 from train_smollm2_scaling import dump, split_records  # noqa: E402
 
 BUCKETS = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0001)
@@ -204,11 +205,7 @@ def main(argv=None):
         "records": {n: len(sets[n]) for n in measured},
         "sets": results,
     }
-    with open(args.results + ".json", "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=1)
-    with open(args.results + ".md", "w", encoding="utf-8") as fh:
-        fh.write(markdown(result))
-    print(markdown(result))
+    write_results(args.results, result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import shlex
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from results_files import write_results  # noqa: E402
 
 RULES = ("drafter", "lookup", "merge agree=2", "merge agree=1", "merge agree=0")
 
@@ -151,11 +153,7 @@ def main(argv=None):
         "command": "python scripts/smollm2_copy_rules.py " + shlex.join(sys.argv[1:] if argv is None else argv),
         "sets": sets,
     }
-    with open(args.results + ".json", "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=1)
-    with open(args.results + ".md", "w", encoding="utf-8") as fh:
-        fh.write(markdown(result))
-    print(markdown(result))
+    write_results(args.results, result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Writes ``model_cards/results/smollm2-pass-cost.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -24,6 +23,9 @@ import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from results_files import write_results  # noqa: E402
 
 
 @torch.no_grad()
@@ -107,11 +109,7 @@ def main(argv=None):
         "widths": args.widths,
         "rows": rows,
     }
-    with open(args.results + ".json", "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=1)
-    with open(args.results + ".md", "w", encoding="utf-8") as fh:
-        fh.write(markdown(result))
-    print(markdown(result))
+    write_results(args.results, result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -328,9 +328,24 @@ def test_lookup_passes_in_place_of_plain_steps_keep_greedy_identity(monkeypatch,
     assert out.timings["plain_steps"] + out.timings["lookup_passes"] == out.timings["passes"]
 
 
-def test_lookup_passes_keep_sampling_lossless(monkeypatch):
-    """The shared law check with every pass a lookup-only pass (unigram lookup, so nearly every pass has a copy):
-    the copies are point masses, the output law stays the target's, and a wrong residual is rejected."""
+def _copies_alone(out) -> bool:
+    copied = sum(1 for row in out.draft_lengths if row[0] >= 2)  # rows that verified a copy in their first pass
+    return copied > 1000 and out.timings["draft_steps"] == 0
+
+
+def _copies_beside_chains(out) -> bool:
+    return out.timings["lookup_rows"] > 1000 and out.timings["draft_steps"] > 0
+
+
+@pytest.mark.parametrize(
+    "controller, exercised",
+    [(_PlainThenLookup, _copies_alone), (_DraftOrCopy, _copies_beside_chains)],
+    ids=["lookup-passes", "copies-first-in-drafting-passes"],
+)
+def test_copies_keep_sampling_lossless(monkeypatch, controller, exercised):
+    """The shared law check with unigram lookup, so nearly every row has a copy: verified alone in lookup-only passes
+    (nothing drafted), or first in drafting passes (rows without a copy verify their drafted chain, in the same
+    pass). The copies are point masses, the output law stays the target's, and a wrong residual is rejected."""
     from sampling_check import (
         PROMPT,
         ResidualIsTargetVerifier,
@@ -344,7 +359,7 @@ def test_lookup_passes_keep_sampling_lossless(monkeypatch):
 
     from hf_specdec.generation import ngram
 
-    monkeypatch.setattr(adaptive, "DraftLengthController", _PlainThenLookup)
+    monkeypatch.setattr(adaptive, "DraftLengthController", controller)
     monkeypatch.setattr(ngram, "NGRAM_SIZES", (1,))
     prompt = tuple(range(4, 16)) + PROMPT
     target = sampling_target()
@@ -353,42 +368,7 @@ def test_lookup_passes_keep_sampling_lossless(monkeypatch):
     drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=2))
     opts = {"num_assistant_tokens": 2, "lookup_tokens": 3, "draft_length": "adaptive"}
     out, gen = sample(target, drafter, prompt=prompt, **opts)
-    copied = sum(1 for row in out.draft_lengths if row[0] >= 2)
-    assert copied > 1000, f"only {copied} rows verified a copy in their first pass: the lookup was not exercised"
-    assert out.timings["draft_steps"] == 0
-    pvalues = law_pvalues(gen, laws)
-    assert not fails_check(pvalues), f"the output law differs from the target's: {describe(pvalues)}"
-    _, bad = sample(target, drafter, verifier=ResidualIsTargetVerifier(), prompt=prompt, **opts)
-    assert fails_check(law_pvalues(bad, laws)), "the check cannot tell a wrong residual apart"
-
-
-def test_copies_first_keep_sampling_lossless(monkeypatch):
-    """The shared law check with copies going first in drafting passes (unigram lookup: most rows have a copy and
-    verify it, the others verify their drafted chain, in the same pass): the output law stays the target's, and a
-    wrong residual is rejected."""
-    from sampling_check import (
-        PROMPT,
-        ResidualIsTargetVerifier,
-        describe,
-        exact_laws,
-        fails_check,
-        law_pvalues,
-        sample,
-        sampling_target,
-    )
-
-    from hf_specdec.generation import ngram
-
-    monkeypatch.setattr(adaptive, "DraftLengthController", _DraftOrCopy)
-    monkeypatch.setattr(ngram, "NGRAM_SIZES", (1,))
-    prompt = tuple(range(4, 16)) + PROMPT
-    target = sampling_target()
-    laws = exact_laws(target, prompt)
-    torch.manual_seed(6)
-    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=2))
-    opts = {"num_assistant_tokens": 2, "lookup_tokens": 3, "draft_length": "adaptive"}
-    out, gen = sample(target, drafter, prompt=prompt, **opts)
-    assert out.timings["lookup_rows"] > 1000 and out.timings["draft_steps"] > 0, out.timings
+    assert exercised(out), f"the copies were not exercised: {out.timings}"
     pvalues = law_pvalues(gen, laws)
     assert not fails_check(pvalues), f"the output law differs from the target's: {describe(pvalues)}"
     _, bad = sample(target, drafter, verifier=ResidualIsTargetVerifier(), prompt=prompt, **opts)
