@@ -145,7 +145,8 @@ def test_outlines_core_state_follows_its_regex():
 
     vocab = outlines_core.Vocabulary(3, {"a": [0], "b": [1], "ab": [2]})
     index = outlines_core.Index("(ab)+", vocab)
-    state = OutlinesCoreState(index, vocab_size=4, eos_token_id=3)
+    state = OutlinesCoreState(index)
+    assert state.vocab_size == 4  # one past the largest id the index knows: the end of sequence, 3
     assert state.allowed().nonzero().squeeze(-1).tolist() == [0, 2]
     assert state.advance(0) and not state.advance(0)  # "a" then "a" breaks (ab)+
     assert state.allowed().nonzero().squeeze(-1).tolist() == [1]
@@ -347,6 +348,70 @@ def test_llguidance_state_drives_the_loop_like_xgrammar():
     assert ref[0, -1] == EOS and re.fullmatch("[a-c]{3}-[0-9]{2}", tok.decode(ref[0, 4:], skip_special_tokens=True))
 
 
+# ------------------------------------------------------------------------------ outlines' own processors, unchanged
+OUTLINES_REGEX = "[a-c]{3}-[0-9]{2}(,[a-c]{2}[0-9]){2,4}"
+
+
+def outlines_processor(backend: str):
+    """What an outlines user passes (``outlines.backends``' processors, built from the test vocabulary)."""
+    tok = byte_level_tokenizer()
+    if backend == "xgrammar":
+        from outlines.backends.xgrammar import XGrammarLogitsProcessor
+
+        vocab = [tok.convert_ids_to_tokens(i) if i < len(tok) else f"~{i}" for i in range(VOCAB)]
+        info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, stop_token_ids=[EOS])
+        return XGrammarLogitsProcessor(xgr.GrammarCompiler(info).compile_regex(OUTLINES_REGEX), "torch")
+    if backend == "outlines-core":
+        import outlines_core
+        from outlines.backends.outlines_core import OutlinesCoreLogitsProcessor
+
+        chars = {tok.convert_ids_to_tokens(i): [i] for i in range(EOS + 1, len(tok))}
+        return OutlinesCoreLogitsProcessor(outlines_core.Index(OUTLINES_REGEX, outlines_core.Vocabulary(EOS, chars)),
+                                           "torch")  # fmt: skip
+    import llguidance
+    import llguidance.hf
+    from outlines.backends.llguidance import LLGuidanceLogitsProcessor
+
+    grammar = llguidance.LLMatcher.grammar_from_regex(OUTLINES_REGEX)
+    return LLGuidanceLogitsProcessor(grammar, llguidance.hf.from_tokenizer(tok, n_vocab=VOCAB), "torch")
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines-core", "llguidance"])
+def test_outlines_processors_with_a_drafter_return_plain_constrained_output(backend, batch):
+    """outlines' XGrammarLogitsProcessor, OutlinesCoreLogitsProcessor and LLGuidanceLogitsProcessor, passed as they
+    are with ``assistant_model=`` added: the loop drives states of the same backend over their grammar, the output
+    equals plain constrained ``generate``'s and follows the regex, and the user's processor is left unused."""
+    import re
+
+    target = make_target("llama", seed=2, sharpen=3.0)
+    ids, mask = ragged_batch(batch, length=6, vocab=60)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False)
+    ref = target.generate(ids, logits_processor=[outlines_processor(backend)], **kwargs)
+    drafter = make_oracle(target, ref[:, ids.shape[1] :], corruption=0.3)
+    proc = outlines_processor(backend)
+    out = target.generate(ids, logits_processor=[proc], assistant_model=drafter, return_dict_in_generate=True,
+                          **kwargs)  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    assert proc.is_first_token  # not consumed
+    assert max(max(r) for r in out.accepted_lengths) > 1
+    tok, grammar = byte_level_tokenizer(), outlines_processor("xgrammar").compiled_grammar
+    for row in generated(ref, ids):
+        matcher = xgr.GrammarMatcher(grammar)
+        assert all(matcher.accept_token(t) for t in row)  # a prefix of the regex's language, or all of a match
+        assert row[-1] != EOS or re.fullmatch(OUTLINES_REGEX, tok.decode(row[:-1]))
+
+
+def test_a_used_outlines_processor_is_refused_with_what_to_do():
+    target = make_target("llama", seed=2)
+    proc = outlines_processor("outlines-core")
+    ids = torch.tensor([[7, 9, 11]])
+    target.generate(ids, logits_processor=[proc], max_new_tokens=2, do_sample=False)
+    drafter = make_oracle(target, torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"OutlinesCoreLogitsProcessor was already used.*reset\(\)"):
+        target.generate(ids, logits_processor=[proc], assistant_model=drafter, max_new_tokens=2, do_sample=False)
+
+
 def test_a_stateful_grammar_processor_that_cannot_be_driven_is_refused_by_name():
     class OutlinesLikeProcessor:  # keeps a guide it advances on every call, like outlines' HF processors
         def __call__(self, input_ids, scores):
@@ -372,3 +437,41 @@ def test_copies_are_cut_where_the_grammar_rejects_them():
     assert proc.valid_prefix_lengths(seq, torch.tensor([3, 3]), proposal, counts).tolist() == [5, 3]  # '}' breaks
     scores = proc(seq, torch.zeros(2, VOCAB))  # the states are back after '{"'
     assert torch.isfinite(scores).sum(-1).tolist() == [1, 1]
+
+
+def test_copies_merged_into_chains_are_cut_where_the_grammar_rejects_them(monkeypatch):
+    """With a fixed draft length (and no forced tokens, which would verify the structure first), prompt-lookup copies
+    are merged into the drafter's chains: the loop hands
+    ``merge_lookup`` each row's copy cut at its grammar-valid prefix. The prompt holds '{"name": "abcdefgh"}', so once
+    the output reaches '{"name": ' the copy is '"abcdefgh"...', and the schema's six-character name cuts it after
+    'abcdef'."""
+    from hf_specdec.generation import loop
+    from hf_specdec.generation.ngram import lookup_continuations
+
+    calls = []
+
+    def spy(proposal, seq, starts, lengths, num_tokens, agree=None, continuations=None, **kw):
+        raw = lookup_continuations(seq, starts, lengths, num_tokens)
+        calls.append((seq.clone(), lengths.clone(), raw, continuations))
+        return merge_lookup(proposal, seq, starts, lengths, num_tokens, agree=agree, continuations=continuations, **kw)
+
+    merge_lookup = loop.merge_lookup
+    monkeypatch.setattr(loop, "merge_lookup", spy)
+    text = [*'{"name": "abcdefgh"}']  # spelt as the target spells its own output: one character per token
+    ids = torch.tensor([[7, 9] + [JSON_VOCAB.index(t) for t in text] + [11]])
+    target = make_target("llama", seed=3, sharpen=4.0)
+    ref = target.generate(ids, logits_processor=[user_processor()], max_new_tokens=20, do_sample=False)
+    torch.manual_seed(0)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3))
+    out = target.generate(ids, logits_processor=[user_processor()], assistant_model=drafter, max_new_tokens=20,
+                          do_sample=False, draft_length="fixed", grammar_forced_tokens=False)  # fmt: skip
+    assert torch.equal(out, ref)
+    cut = 0
+    for seq, lengths, (raw, raw_count), (tokens, count) in calls:
+        prefix, copy = seq[0, ids.shape[1] : lengths[0]].tolist(), tokens[0, : count[0]].tolist()
+        assert copy == raw[0, : count[0]].tolist() and count[0] <= raw_count[0]
+        assert accepted_by_grammar(prefix + copy)
+        if count[0] < raw_count[0]:
+            assert not accepted_by_grammar(prefix + raw[0, : count[0] + 1].tolist())  # cut at the first rejection
+            cut += 1
+    assert cut > 0

@@ -16,9 +16,10 @@ Backends (each an optional dependency) implement :class:`GrammarState`:
 * llguidance (:class:`LLGuidanceState`): ``LLMatcher.consume_token`` / ``validate_tokens`` / ``rollback`` and
   ``llguidance.torch.fill_next_token_bitmask``.
 
-A user's own ``xgrammar.contrib.hf.LogitsProcessor`` is recognised (:func:`speculation_safe_processor`): the loop
-takes its compiled grammar(s) and drives fresh matchers of its own, at the processor's place in the chain, and the
-user's processor object is left untouched.
+A user's own ``xgrammar.contrib.hf.LogitsProcessor``, or outlines' ``XGrammarLogitsProcessor``,
+``OutlinesCoreLogitsProcessor`` or ``LLGuidanceLogitsProcessor``, is recognised (:func:`speculation_safe_processor`):
+the loop takes its grammar and drives fresh states of its own, at the processor's place in the chain, and the user's
+processor object is left untouched.
 
 Forced tokens are free drafts: where the grammar allows exactly one continuation (JSON keys and punctuation, fixed
 literals), :meth:`GrammarLogitsProcessor.forced_continuations` gives it (the tokens its mask allows one at a time,
@@ -108,15 +109,16 @@ class XGrammarState:
 
 class OutlinesCoreState:
     """A row's state as an ``outlines_core.Guide`` over ``index`` (``max_rollback`` accepted tokens can be undone;
-    the default covers any generation). outlines-core's guide never consumes the EOS id: it is allowed where the
-    regex may end (``Guide.is_finished``), and accepting it here terminates the state."""
+    the default covers any generation). ``vocab_size``: the length of the mask (default: one past the largest id
+    the index knows). outlines-core's guide never consumes the end of sequence: its mask allows it where the regex
+    may end (``Guide.is_finished``) and the guide has no transition for it, and accepting it here terminates the
+    state, as outlines' own processor leaves its guide at the end."""
 
-    def __init__(self, index, vocab_size: int, eos_token_id: int, max_rollback: int = 1 << 20):
+    def __init__(self, index, vocab_size: int | None = None, max_rollback: int = 1 << 20):
         import outlines_core
 
         self.guide = outlines_core.Guide(index, max_rollback=max_rollback)
-        self.vocab_size = int(vocab_size)
-        self.eos_token_id = int(eos_token_id)
+        self.vocab_size = int(vocab_size) if vocab_size is not None else outlines_core_vocab_size(index)
         self._ended = False
 
     def allowed(self) -> torch.Tensor:
@@ -125,15 +127,15 @@ class OutlinesCoreState:
         return unpack_bitmask(words, self.vocab_size)
 
     def advance(self, token: int) -> bool:
-        if self._ended:
+        token = int(token)
+        if self._ended or not 0 <= token < self.vocab_size:
             return False
-        if int(token) == self.eos_token_id:
-            self._ended = bool(self.guide.is_finished())
-            return self._ended
-        if not self.guide.accepts_tokens([int(token)]):
-            return False
-        self.guide.advance(int(token), return_tokens=False)
-        return True
+        if self.guide.accepts_tokens([token]):
+            self.guide.advance(token, return_tokens=False)
+            return True
+        # the end of sequence: allowed by the mask where the regex may end, with no transition in the guide
+        self._ended = bool(self.guide.is_finished()) and bool(self.allowed()[token])
+        return self._ended
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens and self._ended:
@@ -143,6 +145,12 @@ class OutlinesCoreState:
 
     def is_terminated(self) -> bool:
         return self._ended
+
+
+def outlines_core_vocab_size(index) -> int:
+    """One past the largest token id in an ``outlines_core.Index``'s transitions (its end-of-sequence id included):
+    a mask that long allows every token the index may allow."""
+    return 1 + max(token for moves in index.get_transitions().values() for token in moves)
 
 
 class LLGuidanceState:
@@ -361,9 +369,7 @@ def xgrammar_compiler(tokenizer, vocab_size: int | None):
 
 
 def _xgrammar_hf_processor(proc) -> GrammarLogitsProcessor | None:
-    cls = type(proc)
-    if cls.__name__ != "LogitsProcessor" or not cls.__module__.startswith("xgrammar."):
-        return None
+    """``xgrammar.contrib.hf.LogitsProcessor``: its compiled grammar(s), one per row or one for all."""
     if proc.matchers:
         raise ValueError(
             "This xgrammar.contrib.hf.LogitsProcessor was already used by an earlier generate call (its matchers have "
@@ -372,15 +378,39 @@ def _xgrammar_hf_processor(proc) -> GrammarLogitsProcessor | None:
     return GrammarLogitsProcessor.from_xgrammar(proc.compiled_grammars)
 
 
-_DRIVERS: list[Callable[[object], LogitsProcessor | None]] = [_xgrammar_hf_processor]
+def _outlines_processor(proc) -> GrammarLogitsProcessor:
+    """outlines' processors (``outlines.backends``: xgrammar, outlines-core and llguidance): the grammar it holds,
+    driven by states of the same backend."""
+    if not proc.is_first_token:
+        raise ValueError(
+            f"This outlines {type(proc).__name__} was already used by an earlier generate call (its matchers have "
+            "advanced): call its reset() or create a new one for each generate call."
+        )
+    if hasattr(proc, "compiled_grammar"):  # XGrammarLogitsProcessor
+        return GrammarLogitsProcessor.from_xgrammar(proc.compiled_grammar)
+    if hasattr(proc, "index"):  # OutlinesCoreLogitsProcessor
+        vocab_size = outlines_core_vocab_size(proc.index)
+        return GrammarLogitsProcessor(lambda: OutlinesCoreState(proc.index, vocab_size))
+    lltok = proc.llg_tokenizer  # LLGuidanceLogitsProcessor
+    return GrammarLogitsProcessor(lambda: LLGuidanceState(lltok, proc.grammar, lltok.vocab_size))
+
+
+# the grammar processors the loop can drive, by (module prefix, class name)
+_DRIVERS: dict[tuple[str, str], Callable[[object], LogitsProcessor]] = {
+    ("xgrammar.", "LogitsProcessor"): _xgrammar_hf_processor,
+    ("outlines.backends.", "XGrammarLogitsProcessor"): _outlines_processor,
+    ("outlines.backends.", "OutlinesCoreLogitsProcessor"): _outlines_processor,
+    ("outlines.backends.", "LLGuidanceLogitsProcessor"): _outlines_processor,
+}
 
 
 def speculation_safe_processor(proc) -> LogitsProcessor:
     """``proc`` itself, or, for a grammar processor whose state the loop can drive (``xgrammar.contrib.hf.
-    LogitsProcessor``), a :class:`GrammarLogitsProcessor` over the same grammar(s) with fresh states (``proc`` is
-    not touched)."""
-    for driver in _DRIVERS:
-        driven = driver(proc)
-        if driven is not None:
-            return driven
+    LogitsProcessor``, outlines' ``XGrammarLogitsProcessor``, ``OutlinesCoreLogitsProcessor`` and
+    ``LLGuidanceLogitsProcessor``), a :class:`GrammarLogitsProcessor` over the same grammar(s) with fresh states
+    (``proc`` is not touched)."""
+    cls = type(proc)
+    for (module, name), driver in _DRIVERS.items():
+        if cls.__name__ == name and cls.__module__.startswith(module):
+            return driver(proc)
     return proc

@@ -110,9 +110,9 @@ class ScoreProcessor:
                 "is only sound for processors that keep no state between calls. If yours is a pure function of "
                 "(input_ids, scores), declare it with hf_specdec.generation.register_stateless_logits_processor(cls) "
                 "(or set `hf_specdec_stateless = True` on the class); otherwise use plain generate. For grammar-"
-                "constrained output (outlines' processors included) pass xgrammar.contrib.hf.LogitsProcessor or "
-                "hf_specdec.GrammarLogitsProcessor (xgrammar, outlines-core or llguidance states), whose grammar "
-                "state hf_specdec drives itself."
+                "constrained output pass xgrammar.contrib.hf.LogitsProcessor, outlines' XGrammarLogitsProcessor, "
+                "OutlinesCoreLogitsProcessor or LLGuidanceLogitsProcessor, or hf_specdec.GrammarLogitsProcessor "
+                "(xgrammar, outlines-core or llguidance states), whose grammar state hf_specdec drives itself."
             )
         self.prefix_free = all(isinstance(p, _PREFIX_FREE) for p in self.processors)
         grammars = [p for p in self.processors if hasattr(p, "forced_continuations")]

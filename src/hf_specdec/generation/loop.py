@@ -41,7 +41,7 @@ from ..types import DraftInputs, Proposal, SpeculativeDecoderOnlyOutput, Verific
 from ..verification import get_verifier
 from .adaptive import DRAFT_LENGTH_MODES, controller_for
 from .logits import ScoreProcessor
-from .ngram import lookup_proposal, merge_lookup
+from .ngram import NGRAM_SIZES, lookup_continuations, lookup_proposal, merge_lookup
 from .options import option_names, route_options
 
 __all__ = ["speculative_generate", "TargetPasses", "Committer", "LoopStats"]
@@ -850,6 +850,15 @@ class SpeculativeDecoder:
             return None
         return Proposal(tokens=copy.tokens, draft_probs=copy.draft_probs, lengths=lengths.to(copy.lengths.device))
 
+    def _grammar_valid_copies(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """With a grammar, the rows' prompt-lookup copies to merge into their chains, each cut where its grammar
+        rejects a token; ``None`` without one (``merge_lookup`` looks the copies up itself)."""
+        grammar = self.processor.grammar
+        if grammar is None:
+            return None
+        tokens, counts = lookup_continuations(self.seq, self.starts, self.committed.lengths, num_tokens, NGRAM_SIZES)
+        return tokens, grammar.valid_prefix_lengths(self.seq, self.committed.lengths, tokens, counts).to(counts.device)
+
     def _forced_tokens(self, limit: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(tokens, counts)``: per row the tokens its grammar forces next (none for finished rows); ``None`` when
         no row has one or the chain has no grammar processor."""
@@ -892,9 +901,9 @@ class SpeculativeDecoder:
         copies_first = step.copy is not None
         if copies_first or (opts.lookup_tokens > step.k and step.limit > step.k):
             copy_len = min(opts.lookup_tokens, step.limit)
-            first = (step.copy.tokens, step.copy.lengths) if copies_first else None
+            copies = (step.copy.tokens, step.copy.lengths) if copies_first else self._grammar_valid_copies(copy_len)
             proposal, copied = merge_lookup(proposal, self.seq, self.starts, lengths, copy_len,
-                                            agree=0 if copies_first else None, continuations=first)  # fmt: skip
+                                            agree=0 if copies_first else None, continuations=copies)  # fmt: skip
             self.stats.lookup_rows += int(copied.sum())
         step.proposal = proposal
 
