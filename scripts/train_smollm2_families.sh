@@ -8,7 +8,8 @@
 #             held-out set every family is scored on (another DATA: its own fp32 dump in $RUN/features); the layers EAGLE-3 reads, [2, 15, 27], plus the final state
 #             every other family reads, which the dump always stores; EXAMPLES=N trains on the first N records;
 #   training  `hf-specdec train --features ...` per family, same steps, batch, learning rate and 4096-token draft
-#             vocabulary (EAGLE-3 included, so it meets the others on an equal budget); Medusa-2 trains a LoRA adapter
+#             vocabulary (EAGLE-3 included, so it meets the others on an equal budget); MIXED=bf16 trains under
+#             bf16 autocast; Medusa-2 trains a LoRA adapter
 #             on the target with its heads, which changes the target's features, so it reads the same answers with
 #             online features (`--data`); resumable (rerun the script: finished families are skipped, a killed one
 #             resumes); SpecBlock three times: with and without its layer-wise shift (the ablation), and with the
@@ -20,6 +21,7 @@ RUN=${RUN:-runs/smollm2-families}
 DATA=${DATA:-data/smollm2-distill}
 STEPS=${STEPS:--1}  # -1: EPOCHS epochs over the data
 EPOCHS=${EPOCHS:-1}
+MIXED=${MIXED:-no}  # bf16: bf16 autocast (CPUs with bf16; the target's soft labels are most of a step's work)
 FAMILIES=${FAMILIES:-medusa hydra blockwise eagle1 eagle3 medusa2 mtp dflash dspark specblock specblock-noshift}
 if [ ! -e "$DATA" ]; then  # write the data first
     case "$DATA" in
@@ -58,6 +60,6 @@ for family in $FAMILIES; do
     if [ "$family" = specblock-noshift ]; then drafter=specblock; extra=(--config layer_shift=false); fi
     if [ "$family" = specblock-allslots ]; then drafter=specblock; extra=(--config context_slots=all); fi
     hf-specdec train --target smollm2 --dtype "$DTYPE" --drafter "$drafter" "${source[@]}" --output-dir "$out" \
-        --draft-vocab-size 4096 --max-steps "$STEPS" --epochs "$EPOCHS" --batch-size 8 --lr 1e-3 --save-steps 100 --eval-steps 100 \
+        --draft-vocab-size 4096 --max-steps "$STEPS" --epochs "$EPOCHS" --batch-size 8 --lr 1e-3 --mixed-precision "$MIXED" --save-steps 100 --eval-steps 100 \
         --logging-steps 20 --report-to none "${extra[@]}" "${resume[@]}"
 done

@@ -22,7 +22,7 @@ def char_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     chars = ["<pad>", "<s>", "<unk>", "</s>", "<x>", "<eos>"] + list(string.ascii_letters + string.digits)
-    chars += list(" .,;:!?()[]{}+-*/=_")
+    chars += list(" .,;:!?()[]{}+-*/=_") + ['"', "\n"]
     vocab = {c: i for i, c in enumerate(chars[:VOCAB])}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.decoder = decoders.Fuse()

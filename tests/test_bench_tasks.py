@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from helpers import char_tokenizer, make_oracle, make_target
+from helpers import VOCAB, char_tokenizer, make_oracle, make_target
 
 from hf_specdec import AutoModelForDrafting, Eagle3Config
 from hf_specdec.bench.prompts import PromptItem
@@ -176,12 +176,15 @@ def test_asd_tune_refuses_candidates_that_lose_task_accuracy():
         tune_asd(target, tok, oracle, items, max_accuracy_drop=0.1, **grid)
 
 
-def test_cli_task_and_prompts_are_exclusive(capsys):
+def test_cli_task_and_prompts_are_exclusive_and_json_indent_needs_the_json_task(capsys):
     from hf_specdec.commands import main
 
     assert main(["bench", "--task", "arithmetic", "--prompts", "demo", "--no-peers"]) == 2
     err = capsys.readouterr().err
     assert "not both" in err and "Traceback" not in err
+    assert main(["bench", "--task", "arithmetic", "--json-indent", "2", "--no-peers"]) == 2
+    err = capsys.readouterr().err
+    assert "--json-indent applies to --task json" in err and "Traceback" not in err
 
 
 # ------------------------------------------------------------------------------------------------------------ json
@@ -201,6 +204,26 @@ def test_json_task_prompts_are_disjoint_and_scored_by_their_schema():
     assert not follows_schema({"name": "A", "age": 1, "city": "B", "extra": 1}, schema)
     assert follows_schema(["a", "b"], {"type": "array", "items": {"type": "string"}, "maxItems": 2})
     assert not follows_schema([1, 2, 3], {"type": "array", "items": {"type": "integer"}, "maxItems": 2})
+
+
+def test_a_fixed_json_layout_makes_the_grammar_force_newlines_indentation_and_keys():
+    """``schema_options`` (``--json-indent 2``) reach xgrammar's compiler: with the layout fixed, everything up to
+    the first value is forced text ('{', newline, two spaces, the key, ': '); with free whitespace nothing is."""
+    from hf_specdec.bench.runner import _SchemaGrammars
+
+    target, tok = make_target(seed=1), char_tokenizer()
+    item = PromptItem(id="0", category="default", text="ab")
+    schema = {"type": "object", "properties": {"ab": {"type": "integer"}}, "required": ["ab"],
+              "additionalProperties": False}  # fmt: skip
+    prompt = torch.tensor([[7, 8]])
+
+    def forced_text(options):
+        proc = _SchemaGrammars({"0": schema}, tok, target, options).processor([item])
+        proc(prompt, torch.zeros(1, VOCAB))
+        return tok.decode(proc.forced_continuations(prompt, torch.tensor([2]), 20)[0])
+
+    assert forced_text({"any_whitespace": False, "indent": 2}) == '{\n  "ab": '
+    assert forced_text(None) == "{"
 
 
 def _integer_or_boolean(item, text: str) -> bool:

@@ -285,6 +285,29 @@ def test_forced_continuations_are_the_tokens_the_mask_allows_alone_then_the_forc
     assert torch.isfinite(scores[0]).nonzero().squeeze(-1).tolist() == [JSON_VOCAB.index("n")]
 
 
+def json_vocab_tokenizer():
+    """A fast tokenizer over JSON_VOCAB with no merges: it spells any text one character per token."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(JSON_VOCAB)}, merges=[], unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def test_forced_text_is_spelt_by_the_tokenizer_when_the_processor_has_one():
+    """xgrammar spells the forced '{"name": "' with its longest tokens ('{"', '"name"'...); given the target's
+    tokenizer, the processor drafts the tokenizer's own encoding of the text (here one character per token), each
+    token checked by the grammar."""
+    prompt = torch.tensor([[7, 9]])
+    spelt = {}
+    for name, tokenizer in [("xgrammar", None), ("tokenizer", json_vocab_tokenizer())]:
+        proc = GrammarLogitsProcessor.from_xgrammar(compiled_schema(), tokenizer)
+        proc(prompt, torch.zeros(1, VOCAB))
+        spelt[name] = [JSON_VOCAB[t] for t in proc.forced_continuations(prompt, torch.tensor([2]), 12)[0]]
+    assert "".join(spelt["xgrammar"]) == '{"name": '  # its tokens stop where the next one could be spelt two ways
+    assert spelt["tokenizer"] == list('{"name": "')  # the whole forced text: the name is a string
+
+
 def test_forced_tokens_can_be_turned_off():
     target = make_target("llama", seed=3, sharpen=4.0)
     ids = torch.tensor([[7, 9, 11]])

@@ -436,6 +436,7 @@ def run_benchmark(
     config: dict | None = None,
     scorer=None,
     schemas: dict[str, dict] | None = None,
+    schema_options: dict | None = None,
 ) -> dict:
     """Runs every method on every prompt, interleaved, and returns a report (see :mod:`hf_specdec.bench.report`).
 
@@ -459,9 +460,12 @@ def run_benchmark(
             up to its first EOS, is scored, giving ``task_accuracy`` per record.
         schemas: per prompt id, a JSON schema its output is constrained to (every method, plain included, decodes
             under it: a fresh :class:`~hf_specdec.GrammarLogitsProcessor` per ``generate`` call, through xgrammar).
+        schema_options: xgrammar's options for compiling them (e.g. ``{"any_whitespace": False, "indent": 2}``: a
+            fixed layout, whose newlines, indentation and keys the grammar then forces); recorded in the config.
     """
     _check_arguments(prompts, methods, max_new_tokens, repeats, warmup, batch_sizes, temperatures)
-    bench = _Benchmark(target, tokenizer, methods, prompts, max_new_tokens, top_p, max_prompt_tokens, schemas)
+    grammars = _SchemaGrammars(schemas, tokenizer, target, schema_options) if schemas else None
+    bench = _Benchmark(target, tokenizer, methods, prompts, max_new_tokens, top_p, max_prompt_tokens, grammars)
     settings = [(t, b) for t in temperatures for b in batch_sizes]
     load_record = bench.time_all(settings, warmup, repeats, seed, progress)
     bench.score_approximate_methods()
@@ -487,6 +491,8 @@ def run_benchmark(
         "max_prompt_tokens": max_prompt_tokens,
         "methods": _describe_methods(bench.methods, bench.reference_of, bench.plain_name),
     }
+    if schema_options:
+        report_config["schema_options"] = dict(schema_options)
     report_config.update(config or {})
     return {"hardware": hardware_info(bench.device), "config": report_config, "records": records, "load": load_record}
 
@@ -512,9 +518,9 @@ class _Benchmark:
     encoded prompts, the forward counters; then the timed runs (:meth:`time_all`) and the untimed checks of their
     outputs (log-likelihood of approximate methods, task scores, classified greedy mismatches)."""
 
-    def __init__(self, target, tokenizer, methods, prompts, max_new_tokens, top_p, max_prompt_tokens, schemas=None):
+    def __init__(self, target, tokenizer, methods, prompts, max_new_tokens, top_p, max_prompt_tokens, grammars=None):
         self.target, self.tokenizer, self.prompts = target, tokenizer, prompts
-        self.grammars = _SchemaGrammars(schemas, tokenizer, target) if schemas else None
+        self.grammars = grammars
         self.max_new_tokens, self.top_p = max_new_tokens, top_p
         self.methods = list(methods)
         if not any(m.kind == "plain" and m.target is None for m in self.methods):
@@ -734,12 +740,13 @@ class _Benchmark:
 
 class _SchemaGrammars:
     """The json task's grammars: each prompt's schema compiled once (xgrammar, over the target's vocabulary), and a
-    fresh :class:`~hf_specdec.GrammarLogitsProcessor` over a batch's grammars for every ``generate`` call."""
+    fresh :class:`~hf_specdec.GrammarLogitsProcessor` over a batch's grammars for every ``generate`` call (forced
+    text spelt by the target's tokenizer)."""
 
-    def __init__(self, schemas: dict[str, dict], tokenizer, target):
+    def __init__(self, schemas: dict[str, dict], tokenizer, target, options: dict | None = None):
         from ..generation.grammar import xgrammar_compiler
 
-        self.schemas = schemas
+        self.schemas, self.options, self.tokenizer = schemas, dict(options or {}), tokenizer
         self.compiler = xgrammar_compiler(tokenizer, target.get_output_embeddings().weight.shape[0])
         self.compiled: dict = {}
 
@@ -750,8 +757,9 @@ class _SchemaGrammars:
 
         for item in batch:
             if item.id not in self.compiled:
-                self.compiled[item.id] = self.compiler.compile_json_schema(json.dumps(self.schemas[item.id]))
-        return GrammarLogitsProcessor.from_xgrammar([self.compiled[item.id] for item in batch])
+                self.compiled[item.id] = self.compiler.compile_json_schema(json.dumps(self.schemas[item.id]),
+                                                                            **self.options)  # fmt: skip
+        return GrammarLogitsProcessor.from_xgrammar([self.compiled[item.id] for item in batch], self.tokenizer)
 
 
 def _record_loop_timings(run: _Run, out, sequence_length: int) -> None:

@@ -217,6 +217,17 @@ def _tree_options(args, tree: str) -> dict | None:
     return options
 
 
+def _schema_options(args, schemas) -> dict | None:
+    """xgrammar's compile options for the task's schemas: ``--json-indent N`` fixes the layout."""
+    if args.json_indent is None:
+        return None
+    if not schemas:
+        raise SystemExit("hf-specdec: --json-indent applies to --task json (a task with JSON schemas).")
+    if args.json_indent < 0:
+        raise SystemExit(f"hf-specdec: --json-indent must be >= 0, got {args.json_indent}.")
+    return {"any_whitespace": False, "indent": args.json_indent}
+
+
 def _prompts_and_scorer(args, shortcut):
     """``--task`` (scored prompts and their scorer) or ``--prompts``: ``(prompts, scorer or None, source name,
     the task's JSON schemas or None)``."""
@@ -259,6 +270,7 @@ def _bench(args) -> int:
     if args.drafter is None and shortcut is not None:
         demo_drafter_path(shortcut)  # a missing packaged drafter fails before the target is loaded
     prompts, scorer, source, schemas = _prompts_and_scorer(args, shortcut)
+    schema_options = _schema_options(args, schemas)
     if args.split != "all":
         from ..bench.asd_tune import split_prompts
 
@@ -286,6 +298,7 @@ def _bench(args) -> int:
         config={"prompts": source, "target": shortcut.title if shortcut is not None else args.target},
         scorer=scorer,
         schemas=schemas,
+        schema_options=schema_options,
     )
     paths = write_report(report, args.out, stem=args.stem)
     print(format_console_table(report))
@@ -378,6 +391,26 @@ def add_parsers(sub) -> None:
     _add_asd_tune_parser(sub)
 
 
+def _add_grammar_flags(p) -> None:
+    """``--task json``'s options: forced tokens on / off, and a fixed JSON layout."""
+    p.add_argument(
+        "--grammar-forced-tokens",
+        nargs="+",
+        choices=["on", "off"],
+        default=None,
+        help="with --task json: measure chains that verify the tokens the grammar forces before drafting (on, the "
+        "loop's default) and chains that do not (off)",
+    )
+    p.add_argument(
+        "--json-indent",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --task json: compile each schema with a fixed layout, N-space indentation and no other whitespace "
+        "(the grammar then forces the newlines, indentation and keys); default: whitespace free",
+    )
+
+
 def _add_bench_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
@@ -409,14 +442,7 @@ def _add_bench_parser(sub) -> None:
         help="lengths of the prompt-lookup copies merged into drafted chains to measure (default: the loop's, 10; "
         "0: off)",
     )
-    p.add_argument(
-        "--grammar-forced-tokens",
-        nargs="+",
-        choices=["on", "off"],
-        default=None,
-        help="with --task json: measure chains that verify the tokens the grammar forces before drafting (on, the "
-        "loop's default) and chains that do not (off)",
-    )
+    _add_grammar_flags(p)
     p.add_argument("--verifier", nargs="+", default=None, help="also measure these verifiers (e.g. asd, typical)")
     _add_verifier_flags(p)
     p.add_argument(

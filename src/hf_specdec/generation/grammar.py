@@ -106,6 +106,10 @@ class XGrammarState:
         """The text the grammar forces from here, in xgrammar's tokenization of it (one of those the mask allows)."""
         return [int(t) for t in self.matcher.find_jump_forward_tokens()]
 
+    def jump_forward_string(self) -> str:
+        """The text the grammar forces from here."""
+        return self.matcher.find_jump_forward_string()
+
 
 class OutlinesCoreState:
     """A row's state as an ``outlines_core.Guide`` over ``index`` (``max_rollback`` accepted tokens can be undone;
@@ -211,6 +215,9 @@ class GrammarLogitsProcessor(LogitsProcessor):
     Args:
         states: one :class:`GrammarState` per row, or one factory (``() -> GrammarState``) called per row at the
             first call (the prompt, whose length marks where each row's generated tokens start).
+        tokenizer: the target's tokenizer, optional: text the grammar forces is then drafted in the tokenizer's own
+            encoding of it (the spelling the target learned, e.g. SmolLM2's ``'ĊĠ' 'Ġ"'`` for a newline, indent
+            and quote, where xgrammar's longest-match spelling is ``'ĊĠĠ' '"'``), else in the backend's.
 
     The processor can be passed to plain ``generate`` and to speculative ``generate`` alike; like the processors it
     replaces it serves one ``generate`` call.
@@ -218,7 +225,8 @@ class GrammarLogitsProcessor(LogitsProcessor):
 
     hf_specdec_stateless = True  # every call rolls back to the common prefix: its output depends on input_ids only
 
-    def __init__(self, states: Sequence[GrammarState] | Callable[[], GrammarState]):
+    def __init__(self, states: Sequence[GrammarState] | Callable[[], GrammarState], tokenizer=None):
+        self.tokenizer = tokenizer
         self._factory = states if callable(states) else None
         self.states: list[GrammarState] = [] if callable(states) else list(states)
         self._accepted: list[list[int]] = []
@@ -321,40 +329,51 @@ class GrammarLogitsProcessor(LogitsProcessor):
             if allowed.numel() != 1 or not state.advance(int(allowed[0])):
                 break
             forced.append(int(allowed[0]))
-        jump = getattr(state, "jump_forward_tokens", None)
-        if jump is not None and len(forced) < limit and not state.is_terminated():
-            for token in jump()[: limit - len(forced)]:
+        if len(forced) < limit and not state.is_terminated():
+            for token in self._jump_forward(state)[: limit - len(forced)]:
                 if not state.advance(token):
                     break
                 forced.append(token)
         state.rollback(len(forced))
         return forced
 
+    def _jump_forward(self, state) -> list[int]:
+        """The text ``state``'s grammar forces next, as tokens: the tokenizer's encoding of it when the processor
+        has a tokenizer and the backend gives the text, else the backend's own tokens (none without either)."""
+        text = getattr(state, "jump_forward_string", None)
+        if self.tokenizer is not None and text is not None:
+            return self.tokenizer.encode(text(), add_special_tokens=False)
+        tokens = getattr(state, "jump_forward_tokens", None)
+        return tokens() if tokens is not None else []
+
     @classmethod
-    def from_json_schema(cls, schema, tokenizer, vocab_size: int | None = None) -> GrammarLogitsProcessor:
+    def from_json_schema(cls, schema, tokenizer, vocab_size: int | None = None, **options) -> GrammarLogitsProcessor:
         """Output that is a JSON value of ``schema`` (a dict or its JSON text), through xgrammar; ``vocab_size``:
-        the model's (its LM head may have more rows than the tokenizer has tokens)."""
+        the model's (its LM head may have more rows than the tokenizer has tokens); ``options``: xgrammar's
+        ``compile_json_schema`` options (``any_whitespace=False, indent=2`` fixes the layout, whose newlines,
+        indentation and keys are then forced tokens: free drafts)."""
         text = schema if isinstance(schema, str) else json.dumps(schema)
-        return cls.from_xgrammar(xgrammar_compiler(tokenizer, vocab_size).compile_json_schema(text))
+        compiled = xgrammar_compiler(tokenizer, vocab_size).compile_json_schema(text, **options)
+        return cls.from_xgrammar(compiled, tokenizer)
 
     @classmethod
     def from_regex(cls, pattern: str, tokenizer, vocab_size: int | None = None) -> GrammarLogitsProcessor:
         """Output that matches the regular expression ``pattern``, through xgrammar."""
-        return cls.from_xgrammar(xgrammar_compiler(tokenizer, vocab_size).compile_regex(pattern))
+        return cls.from_xgrammar(xgrammar_compiler(tokenizer, vocab_size).compile_regex(pattern), tokenizer)
 
     @classmethod
     def from_ebnf(cls, grammar: str, tokenizer, vocab_size: int | None = None) -> GrammarLogitsProcessor:
         """Output of the EBNF ``grammar`` (xgrammar's GBNF dialect, rule ``root``), through xgrammar."""
-        return cls.from_xgrammar(xgrammar_compiler(tokenizer, vocab_size).compile_grammar(grammar))
+        return cls.from_xgrammar(xgrammar_compiler(tokenizer, vocab_size).compile_grammar(grammar), tokenizer)
 
     @classmethod
-    def from_xgrammar(cls, compiled_grammars) -> GrammarLogitsProcessor:
+    def from_xgrammar(cls, compiled_grammars, tokenizer=None) -> GrammarLogitsProcessor:
         """One xgrammar matcher per row over ``compiled_grammars`` (one ``xgrammar.CompiledGrammar`` for every row,
-        or a list with one per row)."""
+        or a list with one per row); ``tokenizer``: the target's, for the spelling of forced text (see the class)."""
         grammars = compiled_grammars if isinstance(compiled_grammars, (list, tuple)) else [compiled_grammars]
         if len(grammars) == 1:
-            return cls(lambda: XGrammarState(grammars[0]))
-        return cls([XGrammarState(g) for g in grammars])
+            return cls(lambda: XGrammarState(grammars[0]), tokenizer)
+        return cls([XGrammarState(g) for g in grammars], tokenizer)
 
 
 def xgrammar_compiler(tokenizer, vocab_size: int | None):
