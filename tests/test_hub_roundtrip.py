@@ -169,6 +169,20 @@ def test_a_card_from_a_multi_drafter_bench_shows_only_its_own_rows():
     assert everything.count("\n") == 4
 
 
+def test_a_card_row_shows_the_draft_cost_the_interval_and_the_verdict():
+    """What a reader needs to see why a drafter pays or not: τ, the draft cost c, the speedup with its interval and
+    the verdict; a run without repeats shows the bare speedup."""
+    from hf_specdec.cards import _results_table
+
+    base = {"method": "mtp:mtp K=5", "kind": "drafter", "category": "all", "temperature": 0.0, "batch_size": 1,
+            "mean_accepted_length": 1.31, "speedup": 0.96, "identical": True}  # fmt: skip
+    repeated = dict(base, draft_cost_ratio=0.123, speedup_ci95=[0.91, 1.02], verdict="within noise")
+    table, _ = _results_table([{"records": [repeated]}, {"records": [base]}])
+    rows = table.splitlines()[2:]
+    assert "| 1.31 | 0.12 | 0.96× [0.91–1.02] | within noise | yes |" in rows[0]
+    assert "| 1.31 | — | 0.96× | — | yes |" in rows[1]
+
+
 def test_push_refuses_symlinks_that_leave_the_folder(tmp_path, hub):
     target = make_target("llama")
     folder = tmp_path / "drafter"

@@ -48,21 +48,34 @@ def _results_table(reports: list[dict], own_prefix: str | None = None) -> tuple[
         raise ValueError("The bench report has no measured drafter records to put in the card.")
     approximate = any(r.get("approximate") for r in rows)
     lines = [
-        "| method | target dtype | temperature | batch | τ | speedup | identical to plain generate |",
-        "|---|---|---|---|---|---|---|",
+        "| method | target dtype | temperature | batch | τ | c | speedup | verdict | identical to plain generate |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        ident = {True: "yes", False: "no", None: "lossless (sampling)"}[r.get("identical")]
-        if r.get("identical") is False and r.get("identical_up_to_near_ties"):
-            ident = "up to classified near-ties"
-        if r.get("approximate"):
-            div = r.get("divergence_rate")
-            ident = "approximate" + (f": {100 * div:.0f} % of outputs differ" if div is not None else "")
+        cost = r.get("draft_cost_ratio")
         lines.append(
             f"| {r['method']} | {r['dtype']} | {r.get('temperature', 0)} | {r.get('batch_size')} | "
-            f"{r.get('mean_accepted_length', float('nan')):.2f} | {r.get('speedup', float('nan')):.2f}× | {ident} |"
+            f"{r.get('mean_accepted_length', float('nan')):.2f} | {'—' if cost is None else f'{cost:.2f}'} | "
+            f"{_speedup_cell(r)} | {r.get('verdict') or '—'} | {_identity_cell(r)} |"
         )
     return "\n".join(lines), approximate
+
+
+def _speedup_cell(r: dict) -> str:
+    """The speedup, with its 95 % interval when the run had repeats."""
+    cell = f"{r.get('speedup', float('nan')):.2f}×"
+    interval = r.get("speedup_ci95")
+    return cell + (f" [{interval[0]:.2f}–{interval[1]:.2f}]" if interval else "")
+
+
+def _identity_cell(r: dict) -> str:
+    ident = {True: "yes", False: "no", None: "lossless (sampling)"}[r.get("identical")]
+    if r.get("identical") is False and r.get("identical_up_to_near_ties"):
+        ident = "up to classified near-ties"
+    if r.get("approximate"):
+        div = r.get("divergence_rate")
+        ident = "approximate" + (f": {100 * div:.0f} % of outputs differ" if div is not None else "")
+    return ident
 
 
 def drafter_card(
