@@ -62,8 +62,9 @@ def _results_table(reports: list[dict], own_prefix: str | None = None) -> tuple[
 
 
 def _speedup_cell(r: dict) -> str:
-    """The speedup, with its 95 % interval when the run had repeats."""
-    cell = f"{r.get('speedup', float('nan')):.2f}×"
+    """The speedup (the median over repeats, as the bench report prints it), with its 95 % interval when the run had
+    repeats."""
+    cell = f"{r.get('speedup_median', r.get('speedup', float('nan'))):.2f}×"
     interval = r.get("speedup_ci95")
     return cell + (f" [{interval[0]:.2f}–{interval[1]:.2f}]" if interval else "")
 
