@@ -62,7 +62,7 @@ def test_push_to_a_local_hub_and_load_back(tmp_path, hub):
     card = ModelCard(files["README.md"].decode())
     assert card.data.base_model == "org/tiny-llama" and card.data.library_name == "hf_specdec"
     assert {"speculative-decoding", "eagle3"} <= set(card.data.tags)
-    assert "| eagle3 K=4 | — | 0.0 | 1 | 3.21 | 1.87× | yes |" in card.text  # the report names no dtype
+    assert "| eagle3 K=4 | — | 0.0 | 1 | 3.21 | — | 1.87× | — | yes |" in card.text  # no dtype, cost or repeats
     assert "token-identical" in card.text
     # Download through the real client and generate.
     loaded = AutoModelForDrafting.from_pretrained("org/eagle3-tiny").eval()
