@@ -235,17 +235,24 @@ def test_hf_specdecs_own_regex_grammar_from_a_tokenizer():
     assert re.fullmatch(pattern, text), text
 
 
+def plain_and_drafted(batch: int, max_new_tokens: int, num_draft_tokens: int, **draft_kwargs):
+    """Plain constrained greedy output of a ragged batch, and the same with an untrained EAGLE-3 drafter."""
+    target = make_target("llama", seed=3, sharpen=4.0)
+    ids, mask = ragged_batch(batch, length=7)
+    kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+    ref = target.generate(ids, logits_processor=[user_processor()], **kwargs)
+    torch.manual_seed(0)
+    drafter = AutoModelForDrafting.from_config(
+        Eagle3Config.for_target(target.config, num_draft_tokens=num_draft_tokens)
+    )
+    out = target.generate(ids, logits_processor=[user_processor()], assistant_model=drafter, **draft_kwargs, **kwargs)
+    return ref, out
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_grammar_with_an_eagle2_tree_returns_plain_constrained_output(batch):
     """Tree nodes are scored with their own paths' prefixes: the grammar state rolls back between branches."""
-    target = make_target("llama", seed=3, sharpen=4.0)
-    ids, mask = ragged_batch(batch, length=7)
-    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False)
-    ref = target.generate(ids, logits_processor=[user_processor()], **kwargs)
-    torch.manual_seed(0)
-    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=4))
-    out = target.generate(ids, logits_processor=[user_processor()], assistant_model=drafter, tree="eagle2",
-                          tree_depth=3, tree_top_k=3, tree_total_tokens=8, **kwargs)  # fmt: skip
+    ref, out = plain_and_drafted(batch, 20, 4, tree="eagle2", tree_depth=3, tree_top_k=3, tree_total_tokens=8)
     assert torch.equal(out, ref)
 
 
@@ -254,14 +261,7 @@ def test_grammar_with_an_eagle2_tree_returns_plain_constrained_output(batch):
 def test_forced_tokens_are_verified_without_the_drafter_and_keep_identity(batch, draft_length):
     """The schema forces its keys and punctuation ('{"', 'name', '": '...): those passes verify the forced tokens
     (``timings["forced_rows"]``), and the output stays plain constrained decoding's."""
-    target = make_target("llama", seed=3, sharpen=4.0)
-    ids, mask = ragged_batch(batch, length=7)
-    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False)
-    ref = target.generate(ids, logits_processor=[user_processor()], **kwargs)
-    torch.manual_seed(0)
-    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3))
-    out = target.generate(ids, logits_processor=[user_processor()], assistant_model=drafter,
-                          draft_length=draft_length, return_dict_in_generate=True, **kwargs)  # fmt: skip
+    ref, out = plain_and_drafted(batch, 24, 3, draft_length=draft_length, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     assert out.timings["forced_rows"] > 0
     assert max(max(row) for row in out.accepted_lengths) > 1
