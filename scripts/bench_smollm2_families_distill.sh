@@ -2,13 +2,14 @@
 # Every family trained on the self-distillation data (data/smollm2-distill), compared on SmolLM2-135M-Instruct:
 # the drafters of `EXAMPLES=2513 bash scripts/train_smollm2_families.sh` (the first 2,513 training records, about
 # 500K answer tokens, one epoch, batch 8, lr 1e-3, 4096-token draft vocabulary, features of the bf16 target dumped
-# once) and the shipped EAGLE-3 drafter (the full 1.5M tokens, three epochs), in two `hf-specdec bench` runs:
+# once; EAGLE-3 too, the same-budget row) and the shipped EAGLE-3 drafter (the full 1.5M tokens, three epochs), in
+# two `hf-specdec bench` runs (Medusa-2, which trains online with a LoRA adapter on the target, is not in the list):
 #   1. what users get: adaptive length with prompt-lookup copies, greedy, batch 1, fp32, Spec-Bench 1 prompt per
 #      category, 64 new tokens, 2 threads, 3 interleaved repeats (speedups with intervals and verdicts):
 #      model_cards/results/smollm2-families-distill.{json,md,png};
 #   2. what each drafter can do: the fixed default K, no copies, one repeat (τ, α and the draft cost c of each
 #      family's own drafting): model_cards/results/smollm2-families-distill-fixed.{json,md,png}.
-# About 25 minutes on 2 cores. Families without a finished training run are skipped.
+# About 35 minutes on 2 cores for ten drafters. Families without a finished training run are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/smollm2-families}

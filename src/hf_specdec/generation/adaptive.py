@@ -14,11 +14,13 @@ large batch on a compute-bound device.
 
 * ``alpha_d`` is counted per depth over every row of every pass that drafted that deep, with exponential forgetting
   (``decay`` per pass) so that the estimate follows the text (code after prose, a repetitive passage...).
-* ``t(K)`` is measured, never assumed: each pass's wall time is kept relative to the current time of a plain step
-  (a moving average that every pass updates), and a length's cost is the median of its recent relative times. The
-  machine's load changes every length's time alike, so the ratios, and the decision, survive a machine that slows
-  down or speeds up several-fold; the median ignores a pass hit by a one-off stall. A length that was never run
-  is bounded by the cheapest measured longer one (drafting less never costs more), else not chosen; probes measure
+* ``t(K)`` is measured, never assumed: a length's cost is the median of its recent pass times over the median of
+  the recent plain steps' (the median ignores a pass hit by a one-off stall). Plain steps are the only anchor: a
+  draft pass's time never moves the plain-step time, so no run of draft passes can talk the loop into reading
+  drafts as cheap. While drafting wins, every other probe is a plain step, so the anchor follows the machine's
+  load; a machine that slows down while drafting makes drafts look dear, the loop then takes plain steps, and
+  those re-measure the anchor (a few plain steps at worst, never a slower draft). A length that was never run is
+  bounded by the cheapest measured longer one (drafting less never costs more), else not chosen; probes measure
   it.
 * A draft must be expected to beat a plain step by ``margin`` (5 %) to be chosen, so noise around break-even
   (a weak drafter, whose one-token draft at best pays for its wider pass) decodes plainly.
@@ -71,8 +73,9 @@ class DraftLengthController:
         k_max: the longest chain to draft (``num_assistant_tokens``), or for trees the tree's node count.
         tree: whether the proposal is a tree (then the arms are ``{0, k_max}``).
         decay: forgetting factor per pass for the acceptance counts and tokens-per-pass of trees.
-        cost_smoothing: weight of a new measurement in the moving average of the plain-step time (the load scale).
-        window: recent relative pass times kept per draft length; their median is the length's cost.
+        cost_smoothing: weight of a new pass in the moving average of the tokens a lookup pass commits.
+        window: recent pass times kept per draft length (and of plain steps); a length's cost is the median of its
+            times over the median of the plain steps'.
         margin: how much more a draft must be expected to commit per second than a plain step before it is taken
             (0.05: 5 % more), so that measurement noise does not make the loop draft where drafting breaks even.
         probe_every: passes before the first probe of a neighbouring draft length (and the gap after a change).
@@ -107,16 +110,15 @@ class DraftLengthController:
         self.reached = [0.0] * (self.k_max + 1)  # index d: rows that drafted token d after accepting d - 1
         self.accepted = [0.0] * (self.k_max + 1)
         self.tree_tokens: float | None = None  # tokens committed per row per tree pass (moving average)
-        self.step_time: float | None = None  # seconds of a plain step now (moving average): the load scale
-        self.relative: dict[int, deque] = {}  # draft length -> recent pass times in plain steps
-        self._unscaled: dict[int, list[float]] = {}  # pass times measured before any plain step
-        self.catchup: deque = deque(maxlen=window)  # (slots, catch-up time in plain steps) of recent catch-ups
+        self.times: dict[int, deque] = {}  # draft length (0: a plain step) -> recent pass times in seconds
+        self.catchup: deque = deque(maxlen=window)  # (slots, seconds) of recent catch-ups
         self.window = int(window)
         self.passes = 0
         self._probe_side = 1
+        self._probes = 0
         self.last_choice: int | None = None
         self.lookup_tokens: float | None = None  # tokens committed per row per lookup-only pass (moving average)
-        self.lookup_relative: deque = deque(maxlen=window)  # lookup-only pass times in plain steps
+        self.lookup_times: deque = deque(maxlen=window)  # lookup-only pass times in seconds
         self._lookup_matches = 0
         self._lookup_gap = self.probe_every
         self._lookup_next = self.probe_every
@@ -147,24 +149,34 @@ class DraftLengthController:
             total += p
         return total
 
+    @property
+    def step_time(self) -> float | None:
+        """Seconds of a plain step now: the median of the recent plain steps (``None`` before one), the anchor every
+        cost is relative to."""
+        plain = self.times.get(0)
+        return statistics.median(plain) if plain else None
+
     def relative_cost(self, k: int) -> float | None:
-        """Measured time of a pass drafting ``k`` tokens, in plain steps (the median of its recent passes; a plain
-        step is 1 by definition); ``None`` while not measured: no draft length's cost is assumed."""
-        if self.step_time is None:
+        """Measured time of a pass drafting ``k`` tokens, in plain steps (the median of its recent passes over the
+        plain steps' median; a plain step is 1 by definition); ``None`` while not measured: no draft length's cost is
+        assumed."""
+        step = self.step_time
+        if step is None:
             return None
         if k <= 0:
             return 1.0
-        samples = self.relative.get(k)
-        return statistics.median(samples) if samples else None
+        samples = self.times.get(k)
+        return statistics.median(samples) / step if samples else None
 
     def catchup_cost(self, slots: int) -> float:
         """Time, in plain steps, the drafter needs to catch up on ``slots`` verified slots it has not seen (after
         plain steps), from measured catch-ups (0 before any): the median per slot times ``slots``, but never more
         than the dearest catch-up measured (it is one batched pass, not one per slot)."""
-        if not self.catchup or not slots:
+        step = self.step_time
+        if not self.catchup or not slots or step is None:
             return 0.0
         per_slot = statistics.median(r / n for n, r in self.catchup)
-        return min(per_slot * slots, max(r for _, r in self.catchup))
+        return min(per_slot * slots, max(r for _, r in self.catchup)) / step
 
     def cost_bound(self, k: int) -> float | None:
         """``k``'s measured cost, else the cheapest measured cost of a longer draft (a pass never costs less for
@@ -172,7 +184,7 @@ class DraftLengthController:
         cost = self.relative_cost(k)
         if cost is not None or k <= 0:
             return cost
-        longer = [c for j in self.relative if j > k and (c := self.relative_cost(j)) is not None]
+        longer = [c for j in self.times if j > k and (c := self.relative_cost(j)) is not None]
         return min(longer) if longer else None
 
     def rate(self, k: int, pending_slots: int = 0) -> float | None:
@@ -193,7 +205,7 @@ class DraftLengthController:
         """The measured draft length with the highest expected tokens per second (ties: the longer one); a draft
         must beat a plain step by ``margin`` to be chosen."""
         limit = self.k_max if limit is None else min(limit, self.k_max)
-        if self.step_time is None and not self._unscaled:
+        if not self.times:
             return limit  # nothing measured yet: draft
         best_k, best_rate = 0, 1.0 + self.margin
         for k in self.arms():
@@ -223,9 +235,17 @@ class DraftLengthController:
             if n > 1 and n >= self._next_probe:
                 self._probe_gap = min(2 * self._probe_gap, self.max_probe_gap)
                 self._next_probe = n + self._probe_gap
-                choice = self._neighbour(choice, limit)
+                choice = self._probe(choice, limit)
         self.last_choice = choice
         return choice
+
+    def _probe(self, choice: int, limit: int) -> int:
+        """A probe: while drafting wins, every other probe is a plain step (it re-measures the anchor every cost is
+        relative to); otherwise the draft length next to ``choice``."""
+        self._probes += 1
+        if choice > 0 and self._probes % 2:
+            return 0
+        return self._neighbour(choice, limit)
 
     def _neighbour(self, choice: int, limit: int) -> int:
         """A probe: the draft length next to ``choice`` (alternating sides), so that its cost gets measured."""
@@ -261,9 +281,10 @@ class DraftLengthController:
     def lookup_rate(self) -> float | None:
         """Measured tokens per plain-step time of passes that verify prompt-lookup copies alone (``None`` before
         any)."""
-        if not self.lookup_relative or self.lookup_tokens is None:
+        step = self.step_time
+        if not self.lookup_times or self.lookup_tokens is None or step is None:
             return None
-        return self.lookup_tokens / statistics.median(self.lookup_relative)
+        return self.lookup_tokens / (statistics.median(self.lookup_times) / step)
 
     def update(
         self,
@@ -289,40 +310,14 @@ class DraftLengthController:
                 mean = float(committed.cpu()[act].float().mean())
                 s = self.smoothing
                 self.lookup_tokens = mean if self.lookup_tokens is None else (1 - s) * self.lookup_tokens + s * mean
-            self._record_time(None, seconds)
+            self.lookup_times.append(seconds)
             return
-        self._record_time(k, seconds)
-        if catchup_slots and self.step_time is not None:
-            self.catchup.append((catchup_slots, catchup_seconds / self.step_time))
+        self.times.setdefault(k, deque(maxlen=self.window)).append(seconds)
+        if catchup_slots:
+            self.catchup.append((catchup_slots, catchup_seconds))
         if k <= 0 or not bool(act.any()):
             return
         self._record_acceptance(drafted.cpu()[act].tolist(), committed.cpu()[act].tolist())
-
-    def _record_time(self, k: int | None, seconds: float) -> None:
-        """Pass times are kept relative to the current plain-step time (``step_time``), which every pass updates:
-        when the machine slows down or speeds up, every length's time moves with it and the ratios stay."""
-        if self.step_time is None and k != 0:
-            self._unscaled.setdefault(k, []).append(seconds)  # converted once a plain step is measured
-            return
-        if k == 0:
-            s = self.smoothing
-            self.step_time = seconds if self.step_time is None else (1 - s) * self.step_time + s * seconds
-            for arm, times in self._unscaled.items():
-                for t in times:
-                    self._keep(arm, t / self.step_time)
-            self._unscaled.clear()
-            return
-        known = self.relative.get(k) if k is not None else self.lookup_relative
-        if known:  # the load scale moves first, so a slower machine is not read as a dearer draft length
-            s = self.smoothing
-            self.step_time = (1 - s) * self.step_time + s * seconds / statistics.median(known)
-        self._keep(k, seconds / self.step_time)
-
-    def _keep(self, k: int | None, relative: float) -> None:
-        if k is None:
-            self.lookup_relative.append(relative)
-        else:
-            self.relative.setdefault(k, deque(maxlen=self.window)).append(relative)
 
     def _record_acceptance(self, drafted: list[int], committed: list[int]) -> None:
         if self.tree:
