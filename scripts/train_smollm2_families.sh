@@ -11,7 +11,8 @@
 #             vocabulary (EAGLE-3 included, so it meets the others on an equal budget); MIXED=bf16 trains under
 #             bf16 autocast; Medusa-2 trains a LoRA adapter
 #             on the target with its heads, which changes the target's features, so it reads the same answers with
-#             online features (`--data`); resumable (rerun the script: finished families are skipped, a killed one
+#             online features (`--data`: the dumps' training records, the same EXAMPLES, scored on the same held-out
+#             records, written by train_smollm2_scaling.py --write-split); resumable (rerun the script: finished families are skipped, a killed one
 #             resumes); SpecBlock three times: with and without its layer-wise shift (the ablation), and with the
 #             reference's all-slot draft cache (context_slots=all, `specblock-allslots`; not in the default list).
 # Outputs: runs/smollm2-families/<family>/ (drafter folders with training_record.json).
@@ -42,6 +43,11 @@ else  # another data file (the old 480 answers): its own dump, fp32 target, a he
     test -f "$FEATURES/index.json" || hf-specdec dump-features --target smollm2 --dtype "$DTYPE" --data "$DATA" \
         --output-dir "$FEATURES" --layer-ids 2 15 27 --max-length 512 --batch-size 8
 fi
+online_source() {  # Medusa-2's records: on the committed data, the training and held-out records of the dumps
+    if [ "$DATA" != data/smollm2-distill ]; then echo --data "$DATA"; return; fi
+    test -f "$RUN/split/held-out.jsonl" || python scripts/train_smollm2_scaling.py --write-split "$RUN/split" >&2
+    echo --data "$RUN/split/train.jsonl" --eval-data "$RUN/split/held-out.jsonl"
+}
 budget=()
 if [ -n "${EXAMPLES:-}" ]; then budget=(--max-train-examples "$EXAMPLES"); fi
 for family in $FAMILIES; do
@@ -50,7 +56,7 @@ for family in $FAMILIES; do
     resume=()
     if ls -d "$out"/checkpoint-* >/dev/null 2>&1; then resume=(--resume); fi
     source=(--features "$FEATURES" ${EVAL_FEATURES:+--eval-features "$EVAL_FEATURES"} "${budget[@]}")
-    if [ "$family" = medusa2 ]; then source=(--data "$DATA" --max-length 512); fi
+    if [ "$family" = medusa2 ]; then source=($(online_source) --max-length 512 "${budget[@]}"); fi
     extra=()  # MTP: two chained modules, the second reused for longer drafts and trained for it (4 unrolled steps)
     if [ "$family" = mtp ]; then extra=(--config num_mtp_modules=2 --ttt-steps 4); fi
     # DFlash: blocks of 8 (7 drafts per pass) on the dumped layers (its own default would be [2, 15, 28])

@@ -56,6 +56,17 @@ def prefix_for_tokens(records: list[dict], tokens: int) -> int:
     return len(records)
 
 
+def write_split(data: str, eval_every: int, out_dir: str) -> None:
+    """The training and held-out records as two JSONL files (the records of the two feature dumps, in their order)."""
+    from hf_specdec.training.distill import read_distill_dataset
+
+    os.makedirs(out_dir, exist_ok=True)
+    for name, records in zip(("train", "held-out"), split_records(read_distill_dataset(data), eval_every)):
+        with open(os.path.join(out_dir, f"{name}.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        print(f"{out_dir}/{name}.jsonl: {len(records)} records")
+
+
 def dump(target, tokenizer, records, config, out_dir, max_length):
     from hf_specdec.training.offline import dump_features
     from hf_specdec.training.recipes import build_datasets
@@ -91,9 +102,17 @@ def main(argv=None):
     p.add_argument(
         "--dump-only", action="store_true", help="write the two feature dumps and stop (the families use them)"
     )
+    p.add_argument(
+        "--write-split",
+        metavar="DIR",
+        help="write the training records and the held-out records as DIR/{train,held-out}.jsonl and stop (online "
+        "training on the same split: the family script's Medusa-2)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.write_split:
+        return write_split(args.data, args.eval_every, args.write_split)
 
     from hf_specdec.gguf_target import load_smollm2
     from hf_specdec.registry import default_drafter_spec

@@ -439,3 +439,52 @@ def test_the_draft_cost_counts_drafting_passes_not_the_prompt_or_catch_ups(monke
     # all the drafter's time holds the 0.3 s prompt pass; the drafting passes' time (what c divides) does not
     assert timings["drafting_s"] < 0.3 <= timings["draft_s"], timings
     assert timings["drafting_s"] > 0
+
+
+def _plain_winning_setup(monkeypatch, probes: bool):
+    """A target, a batch of two ragged prompts, an EAGLE-3 drafter whose observe calls are recorded (slots per call),
+    and a controller remembered from earlier calls where a draft pass cost 10 plain steps (plain steps win); without
+    ``probes`` it never drafts."""
+    target = make_target("llama")
+    torch.manual_seed(0)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=2)).eval()
+    ctrl = controller_for(drafter, target, 2, None, 2, False, torch.device("cpu"))
+    _feed(ctrl, 0, [0, 0], 0.01)
+    for k in (1, 2):
+        _feed(ctrl, k, [0, 0], 0.1)
+    if not probes:
+        monkeypatch.setattr(ctrl, "choose", lambda limit, pending_slots=0: 0)
+    seen, observe = [], drafter.observe
+    monkeypatch.setattr(drafter, "observe", lambda state, inputs: seen.append(inputs.next_token_ids.shape[1])
+                        or observe(state, inputs))  # fmt: skip
+    return target, drafter, ragged_batch(2), seen
+
+
+def test_a_call_that_never_drafts_never_runs_the_drafter(monkeypatch):
+    """Where earlier calls measured plain steps winning, the drafter's pass over the prompt waits for the first
+    draft, and the plain steps' slots wait with it (past the usual catch-up every 64 slots): a call that never
+    drafts costs the drafter nothing. The output is plain generate's."""
+    target, drafter, (ids, mask), seen = _plain_winning_setup(monkeypatch, probes=False)
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=80, do_sample=False, eos_token_id=None)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=80, do_sample=False,
+                          eos_token_id=None, lookup_tokens=0, return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    assert out.timings["plain_steps"] == 79 and seen == []
+
+
+def test_the_waiting_prompt_is_caught_up_with_the_plain_steps_at_the_first_draft(monkeypatch):
+    """A probe drafts: the drafter then observes the prompt and every plain step before it in one call (the family
+    contract's cache equivalence makes that the same as observing them one by one), and greedy output is unchanged.
+    A fresh controller drafts from the start, so the prompt is observed at once, alone."""
+    target, drafter, (ids, mask), seen = _plain_winning_setup(monkeypatch, probes=True)
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=40, do_sample=False,
+                          eos_token_id=None, lookup_tokens=0, return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    first_draft = next(i for i, row in enumerate(zip(*out.draft_lengths)) if max(row) > 0)
+    assert first_draft > 0 and seen[0] == ids.shape[1] + first_draft  # the prompt and the plain steps before it
+    adaptive.draft_length_memory(drafter).reset()
+    seen.clear()
+    fresh = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=40, do_sample=False,
+                            eos_token_id=None, lookup_tokens=0)  # fmt: skip
+    assert torch.equal(fresh, ref) and seen[0] == ids.shape[1]

@@ -181,8 +181,14 @@ def test_a_fixed_held_out_dump_and_a_training_prefix(workspace, tmp_path):
     _, record = train_drafter(target, tok, None, args, features_dir=str(tmp_path / "train"),
                               eval_features_dir=str(tmp_path / "eval"), max_train_examples=4)  # fmt: skip
     assert record["train_examples"] == 4 and record["eval_examples"] == 3
-    with pytest.raises(ValueError, match="offline features"):
-        train_drafter(target, tok, records, args, max_train_examples=4)
+    args = DrafterTrainingArguments(output_dir=str(tmp_path / "online"), max_steps=2, per_device_train_batch_size=2,
+                                    report_to="none", disable_tqdm=True, eval_steps=1, save_steps=100)  # fmt: skip
+    with pytest.raises(ValueError, match="pass eval_data"):  # a dump is not the held-out set of online training
+        train_drafter(target, tok, records, args, eval_features_dir=str(tmp_path / "eval"))
+    # Online training on the same split (how Medusa-2, which changes the target's features, meets the others).
+    _, record = train_drafter(target, tok, records[:7], args, eval_data=records[7:], max_train_examples=4)
+    assert record["train_examples"] == 4 and record["eval_examples"] == 3
+    assert record["data"]["held_out"]["examples"] == 3 and record["data"]["max_train_examples"] == 4
     # The same through the command line (how the family script shares one dump and one held-out set).
     out = tmp_path / "cli-out"
     assert cli(["train", "--target", str(root / "target"), "--features", str(tmp_path / "train"), "--eval-features",

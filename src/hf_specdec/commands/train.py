@@ -64,6 +64,7 @@ def _train(args) -> int:
         drafter_overrides=drafter_overrides(args),
         features_dir=args.features,
         eval_features_dir=args.eval_features,
+        eval_data=args.eval_data,
         max_train_examples=args.max_train_examples,
         max_length=args.max_length,
         eval_fraction=args.eval_fraction,
@@ -90,6 +91,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--data", default=None, help="JSONL training data (chat, prompt/response, text or token ids)")
     p.add_argument("--features", default=None, help="offline features directory from dump-features")
     p.add_argument("--eval-features", default=None, help="a separate dump that is the held-out set (with --features)")
+    p.add_argument("--eval-data", default=None, help="a separate JSONL file that is the held-out set (with --data)")
     p.add_argument("--max-train-examples", type=int, default=None, help="train on this many leading examples")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")

@@ -711,7 +711,8 @@ class SpeculativeDecoder:
             tree_key, k = options.controller_key()
             self.controller = controller_for(drafter, model, k, tree_key, self.bsz, options.do_sample, self.work)
         self.plain_steps = 0
-        self.pending: list[DraftInputs] = []  # verified slots of plain steps, not yet shown to the drafter
+        self.pending: list[DraftInputs] = []  # verified slots (and the prompt) not yet shown to the drafter
+        self.prompt_waits = False  # the prompt is among them (plain steps were winning when the call began)
         self.step_index = 0
 
     def _prepare_target(self, model_kwargs: dict) -> None:
@@ -754,21 +755,34 @@ class SpeculativeDecoder:
         self.last_token = first
         t0 = stats.clock()
         self.state = drafter.init_draft_state(self.bsz, self.seq.shape[1], **self.options.draft_options)
-        drafter.observe(
-            self.state,
-            DraftInputs(
-                next_token_ids=torch.cat([self.input_ids[:, 1:], first[:, None]], dim=1),
-                position_ids=self.position_ids,
-                valid=self.attention_mask.bool(),
-                hidden_states=hidden,
-                logits=logits.to(self.work) if drafter.requires_target_logits else None,
-            ),
+        prompt = DraftInputs(
+            next_token_ids=torch.cat([self.input_ids[:, 1:], first[:, None]], dim=1),
+            position_ids=self.position_ids,
+            valid=self.attention_mask.bool(),
+            hidden_states=hidden,
+            logits=logits.to(self.work) if drafter.requires_target_logits else None,
         )
+        if self._prompt_can_wait():
+            self.pending.append(prompt)
+            self.prompt_waits = True
+        else:
+            drafter.observe(self.state, prompt)
         stats.add("draft_s", t0)
         self.vocab = raw0.shape[-1]
         self.selector = _DraftSelector(
             self.processor, self.seq, self.committed.lengths, self.options.do_sample, self.vocab
         )
+
+    def _prompt_can_wait(self) -> bool:
+        """Whether the drafter's pass over the prompt waits until the adaptive length first drafts: yes when what
+        earlier calls measured says plain steps win now (a call that never drafts then never pays for the drafter's
+        pass over a long prompt), for a drafter that observes in batches and does not read the target's logits (the
+        prompt's hidden states wait with the plain steps' slots; its logits would be too large to keep)."""
+        controller, drafter = self.controller, self.drafter
+        if controller is None or not drafter.observe_in_batches or drafter.requires_target_logits:
+            return False
+        limit = self.committed.remaining() - 1
+        return controller.step_time is not None and controller.best(limit, self.prompt_len) == 0
 
     # ---------------------------------------------------------------- one pass: plan, propose, verify, commit, feed back
     def step(self) -> None:
@@ -811,11 +825,17 @@ class SpeculativeDecoder:
         step.copy = self._copies_first(step, pending_slots)
         if step.copy is not None and bool((step.copy.lengths > 0)[~self.committed.finished].all()):
             step.k = 0  # every row verifies its copy: nothing to draft
-        if step.k > 0 and self.pending:  # the drafter catches up on the plain steps it did not see
-            self.drafter.observe(self.state, _merge_inputs(self.pending))
-            self.pending.clear()
+        if step.k > 0 and self.pending:  # the drafter catches up on the plain steps (and prompt) it did not see
+            self._catch_up()
             step.catchup_s, step.catchup_slots = self.stats.clock() - step.t_start, pending_slots
         return step
+
+    def _catch_up(self, verified: DraftInputs | None = None) -> None:
+        """The drafter observes the slots it has not seen (then ``verified``) in one call."""
+        items = self.pending + ([verified] if verified is not None else [])
+        self.drafter.observe(self.state, _merge_inputs(items))
+        self.pending.clear()
+        self.prompt_waits = False
 
     def _copies_first(self, step: _Pass, pending_slots: int) -> Proposal | None:
         """The tokens rows verify before (or instead of) the drafter's chain: what their grammar forces, always
@@ -952,15 +972,15 @@ class SpeculativeDecoder:
 
     def _feed_back(self, step: _Pass, verified: DraftInputs) -> None:
         """The drafter observes the verified slots now, or, after a plain step of a drafter that observes in
-        batches, when it drafts again (at least every ``_MAX_PENDING_SLOTS`` slots)."""
+        batches, when it drafts again (at least every ``_MAX_PENDING_SLOTS`` slots, unless the prompt waits too: a
+        call that never drafts never runs the drafter)."""
         if step.k <= 0 and self.controller is not None and self.drafter.observe_in_batches:
             self.pending.append(verified)
-            if sum(p.next_token_ids.shape[1] for p in self.pending) >= _MAX_PENDING_SLOTS:
-                self.drafter.observe(self.state, _merge_inputs(self.pending))
-                self.pending.clear()
+            slots = sum(p.next_token_ids.shape[1] for p in self.pending)
+            if not self.prompt_waits and slots >= _MAX_PENDING_SLOTS:
+                self._catch_up()
         else:
-            self.drafter.observe(self.state, _merge_inputs(self.pending + [verified]) if self.pending else verified)
-            self.pending.clear()
+            self._catch_up(verified)
 
     # ---------------------------------------------------------------- the result
     def output(self):

@@ -125,6 +125,7 @@ def train_drafter(
     lora: dict | None = None,
     eval_features_dir: str | None = None,
     max_train_examples: int | None = None,
+    eval_data: str | list | None = None,
 ) -> tuple[Any, dict]:
     """Trains a drafter for ``target`` and writes it (plus checkpoints and a training record) to ``args.output_dir``.
 
@@ -133,9 +134,10 @@ def train_drafter(
     the drafter is adapted with a LoRA adapter (peft) instead of trained in full: ``output_dir`` then holds the
     adapter, loaded with ``PeftModel.from_pretrained(base_drafter, output_dir)``.
 
-    ``eval_features_dir`` (offline only) is a separate dump that is the held-out set (``eval_fraction`` is then not
-    used), so runs on different amounts of training data are scored on the same examples; ``max_train_examples``
-    trains on the first N training examples only (a data-scaling run on a prefix of one dump).
+    ``eval_features_dir`` (offline) or ``eval_data`` (online, records like ``data``) is a separate held-out set
+    (``eval_fraction`` is then not used), so runs on different amounts of training data, or offline and online runs,
+    are scored on the same examples; ``max_train_examples`` trains on the first N training examples only (a
+    data-scaling run on a prefix of one dump or data file).
 
     ``drafter_overrides={"draft_vocab_size": N}`` with a trained drafter (a path or a model) widens its draft
     vocabulary to ``N`` before fine-tuning (:meth:`~hf_specdec.DrafterPreTrainedModel.widened_draft_vocabulary`:
@@ -153,7 +155,7 @@ def train_drafter(
     model = make_drafter(target, drafter, **overrides)
     train, held_out, collate, info = _training_data(
         model, target, tokenizer, data, features_dir, eval_features_dir, max_train_examples, max_length,
-        eval_fraction, args.seed,
+        eval_fraction, args.seed, eval_data,
     )  # fmt: skip
     if widen_to is not None and widen_to != model.config.draft_vocab_size:
         from .data import loss_token_counts
@@ -180,37 +182,53 @@ def _vocabulary_to_widen(drafter, overrides: dict) -> int | None:
 
 
 def _training_data(model, target, tokenizer, data, features_dir, eval_features_dir, max_train_examples, max_length,
-                   eval_fraction, seed):  # fmt: skip
-    """``(train, held_out, collate, info)``: offline features from ``features_dir``, else records from ``data``."""
-    collate = None
+                   eval_fraction, seed, eval_data=None):  # fmt: skip
+    """``(train, held_out, collate, info)``: offline features from ``features_dir``, else records from ``data``; the
+    held-out set is ``eval_features_dir`` / ``eval_data`` when given, else an ``eval_fraction`` split."""
     if features_dir:
-        from .data import split_train_eval
-        from .offline import OfflineFeatureDataset, collate_offline
-
-        dataset = OfflineFeatureDataset(features_dir)
-        dataset.check_compatible(model.config)
-        dataset.check_target(target, tokenizer)
-        if eval_features_dir:
-            train, held_out = dataset, OfflineFeatureDataset(eval_features_dir)
-            held_out.check_compatible(model.config)
-            held_out.check_target(target, tokenizer)
-        else:
-            train, held_out = _split_indices(dataset, eval_fraction, seed, split_train_eval)
-        if max_train_examples is not None:
-            train = torch.utils.data.Subset(train, range(min(max_train_examples, len(train))))
-        pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
-
-        def collate(items):
-            return collate_offline(items, pad)
-
-        info = {"source": str(features_dir), "offline_features": True, **dataset.metadata}
+        if eval_data is not None:
+            raise ValueError("eval_data is the held-out set of online training (data); with features_dir pass "
+                             "eval_features_dir, a dump of the held-out records.")  # fmt: skip
+        train, held_out, collate, info = _offline_data(model, target, tokenizer, features_dir, eval_features_dir,
+                                                       eval_fraction, seed)  # fmt: skip
     else:
         if data is None:
             raise ValueError("Pass training data (a JSONL file) or an offline features directory.")
-        if eval_features_dir or max_train_examples is not None:
-            raise ValueError("eval_features_dir and max_train_examples apply to offline features (features_dir).")
-        train, held_out, info = build_datasets(data, tokenizer, max_length, eval_fraction, seed)
+        if eval_features_dir:
+            raise ValueError("eval_features_dir is the held-out dump of offline training (features_dir); with data "
+                             "pass eval_data, the held-out records.")  # fmt: skip
+        split = 0.0 if eval_data is not None else eval_fraction
+        train, held_out, info = build_datasets(data, tokenizer, max_length, split, seed)
+        if eval_data is not None:
+            held_out, _, eval_info = build_datasets(eval_data, tokenizer, max_length, 0.0)
+            info["held_out"] = {"source": eval_info["source"], "examples": eval_info["examples"]}
+        collate = None
+    if max_train_examples is not None:
+        train = torch.utils.data.Subset(train, range(min(max_train_examples, len(train))))
+        info["max_train_examples"] = max_train_examples
     return train, held_out, collate, info
+
+
+def _offline_data(model, target, tokenizer, features_dir, eval_features_dir, eval_fraction, seed):
+    """``(train, held_out, collate, info)`` from dumped features, checked against the drafter and the target."""
+    from .data import split_train_eval
+    from .offline import OfflineFeatureDataset, collate_offline
+
+    dataset = OfflineFeatureDataset(features_dir)
+    dataset.check_compatible(model.config)
+    dataset.check_target(target, tokenizer)
+    if eval_features_dir:
+        train, held_out = dataset, OfflineFeatureDataset(eval_features_dir)
+        held_out.check_compatible(model.config)
+        held_out.check_target(target, tokenizer)
+    else:
+        train, held_out = _split_indices(dataset, eval_fraction, seed, split_train_eval)
+    pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
+
+    def collate(items):
+        return collate_offline(items, pad)
+
+    return train, held_out, collate, {"source": str(features_dir), "offline_features": True, **dataset.metadata}
 
 
 def add_lora(drafter, r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0, target_modules=None):
