@@ -245,3 +245,15 @@ def test_a_card_from_an_fp32_and_a_bf16_bench_shows_both_with_their_dtype(tmp_pa
     rows = [line for line in card.splitlines() if line.startswith("| ") and "×" in line]
     assert any("| float32 |" in line for line in rows) and any("| bfloat16 |" in line for line in rows)
     assert any("1.50×" in line and "up to classified near-ties" in line for line in rows)
+
+
+def test_a_card_says_when_its_drafter_trained_on_a_prefix_of_its_data():
+    """A run with ``max_train_examples`` (a data-scaling or same-budget run) records the whole file; its card says how
+    much of it the drafter saw, and a run on all of its data says nothing more."""
+    from hf_specdec.cards import _training_rows
+
+    data = {"source": "train.jsonl", "examples": 7548, "tokens": 2006443, "max_train_examples": 2513}
+    rows = dict(_training_rows({"data": data, "train_examples": 2513, "steps": 315}))
+    assert rows["data"] == "train.jsonl: 7548 examples, 2006443 tokens; trained on the first 2513"
+    rows = dict(_training_rows({"data": dict(data, max_train_examples=None), "train_examples": 7548}))
+    assert rows["data"] == "train.jsonl: 7548 examples, 2006443 tokens"

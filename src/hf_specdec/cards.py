@@ -229,7 +229,8 @@ def _training_rows(record: dict) -> list[tuple[str, str]]:
                 f"{data.get('source') or data.get('prompt_source') or '?'}: "
                 f"{data.get('examples', data.get('num_examples', '?'))} examples, "
                 f"{data.get('tokens', data.get('total_tokens', '?'))} tokens"
-                + (f" ({data['answers']} self-distilled answers)" if data.get("answers") else ""),
+                + (f" ({data['answers']} self-distilled answers)" if data.get("answers") else "")
+                + _prefix_note(data, record.get("train_examples")),
             ),
             ("steps", str(record.get("steps"))),
             ("throughput", f"{record.get('tokens_per_second')} tokens/s, peak RSS {record.get('peak_rss_mb')} MB"),
@@ -238,6 +239,14 @@ def _training_rows(record: dict) -> list[tuple[str, str]]:
         if final:
             training.append(("held-out", ", ".join(f"{k} {v}" for k, v in final.items())))
     return training
+
+
+def _prefix_note(data: dict, train_examples: int | None) -> str:
+    """``"; trained on the first N"`` when a run used a prefix of its data (``max_train_examples``)."""
+    limit, total = data.get("max_train_examples"), data.get("examples", data.get("num_examples"))
+    if limit is None or train_examples is None or total is None or train_examples >= total:
+        return ""
+    return f"; trained on the first {train_examples}"
 
 
 def push_drafter(
