@@ -12,8 +12,8 @@
 #             bf16 autocast; Medusa-2 trains a LoRA adapter
 #             on the target with its heads, which changes the target's features, so it reads the same answers with
 #             online features (`--data`: the dumps' training records, the same EXAMPLES, scored on the same held-out
-#             records, written by train_smollm2_scaling.py --write-split); resumable (rerun the script: finished families are skipped, a killed one
-#             resumes); SpecBlock three times: with and without its layer-wise shift (the ablation), and with the
+#             records, written by train_smollm2_scaling.py --write-split); resumable (rerun the script: finished
+#             families are skipped, a killed one resumes); SpecBlock three times: with and without its layer-wise shift (the ablation), and with the
 #             reference's all-slot draft cache (context_slots=all, `specblock-allslots`; not in the default list).
 # Outputs: runs/smollm2-families/<family>/ (drafter folders with training_record.json).
 set -euo pipefail

@@ -816,7 +816,7 @@ class SpeculativeDecoder:
         """How many tokens to draft: the adaptive length's choice (0: a plain step), or always ``k_max``; and, with
         the adaptive length, whether the rows' prompt-lookup copies go first (:meth:`_copies_first`)."""
         limit = self.committed.remaining() - 1  # a pass never drafts past the length limit
-        pending_slots = sum(p.next_token_ids.shape[1] for p in self.pending)
+        pending_slots = self._pending_slots()
         if self.controller is None:
             k = min(self.options.k_max, limit)
         else:
@@ -829,6 +829,9 @@ class SpeculativeDecoder:
             self._catch_up()
             step.catchup_s, step.catchup_slots = self.stats.clock() - step.t_start, pending_slots
         return step
+
+    def _pending_slots(self) -> int:
+        return sum(p.next_token_ids.shape[1] for p in self.pending)
 
     def _catch_up(self, verified: DraftInputs | None = None) -> None:
         """The drafter observes the slots it has not seen (then ``verified``) in one call."""
@@ -976,8 +979,7 @@ class SpeculativeDecoder:
         call that never drafts never runs the drafter)."""
         if step.k <= 0 and self.controller is not None and self.drafter.observe_in_batches:
             self.pending.append(verified)
-            slots = sum(p.next_token_ids.shape[1] for p in self.pending)
-            if not self.prompt_waits and slots >= _MAX_PENDING_SLOTS:
+            if not self.prompt_waits and self._pending_slots() >= _MAX_PENDING_SLOTS:
                 self._catch_up()
         else:
             self._catch_up(verified)

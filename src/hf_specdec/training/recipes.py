@@ -197,16 +197,22 @@ def _training_data(model, target, tokenizer, data, features_dir, eval_features_d
         if eval_features_dir:
             raise ValueError("eval_features_dir is the held-out dump of offline training (features_dir); with data "
                              "pass eval_data, the held-out records.")  # fmt: skip
-        split = 0.0 if eval_data is not None else eval_fraction
-        train, held_out, info = build_datasets(data, tokenizer, max_length, split, seed)
-        if eval_data is not None:
-            held_out, _, eval_info = build_datasets(eval_data, tokenizer, max_length, 0.0)
-            info["held_out"] = {"source": eval_info["source"], "examples": eval_info["examples"]}
+        train, held_out, info = _online_data(data, eval_data, tokenizer, max_length, eval_fraction, seed)
         collate = None
     if max_train_examples is not None:
         train = torch.utils.data.Subset(train, range(min(max_train_examples, len(train))))
         info["max_train_examples"] = max_train_examples
     return train, held_out, collate, info
+
+
+def _online_data(data, eval_data, tokenizer, max_length, eval_fraction, seed):
+    """``(train, held_out, info)`` from records: ``eval_data`` is the held-out set, else an ``eval_fraction`` split."""
+    split = 0.0 if eval_data is not None else eval_fraction
+    train, held_out, info = build_datasets(data, tokenizer, max_length, split, seed)
+    if eval_data is not None:
+        held_out, _, eval_info = build_datasets(eval_data, tokenizer, max_length, 0.0)
+        info["held_out"] = {"source": eval_info["source"], "examples": eval_info["examples"]}
+    return train, held_out, info
 
 
 def _offline_data(model, target, tokenizer, features_dir, eval_features_dir, eval_fraction, seed):
