@@ -10,6 +10,7 @@ from helpers import make_oracle, make_target, ragged_batch
 from hf_specdec import AutoModelForDrafting, Eagle3Config
 from hf_specdec.generation import adaptive
 from hf_specdec.generation.adaptive import DraftLengthController, controller_for
+from hf_specdec.generation.ngram import lookup_continuations
 
 
 def _feed(ctrl, k, accepted_per_row, seconds, drafted=None):
@@ -264,20 +265,27 @@ def test_sampling_stays_lossless_with_changing_draft_lengths(scripted):
     assert any(k == 0 for row in out.draft_lengths for k in row)
 
 
+def _lookup_pass(ctrl, seconds):
+    ctrl.update(0, torch.tensor([4]), torch.tensor([1]), torch.tensor([True]), seconds, lookup=True)
+
+
 def test_lookup_is_taken_instead_of_plain_steps_only_while_it_pays():
     ctrl = DraftLengthController(3, probe_every=5)
     assert not ctrl.use_lookup()  # a plain step first: lookups are measured against it
     _feed(ctrl, 0, [0], 1.0)  # plain step: 1 token per second
     assert ctrl.use_lookup()  # lookup not measured yet: try it
-    ctrl.update(0, torch.tensor([4]), torch.tensor([1]), torch.tensor([True]), 1.5, lookup=True)
+    _lookup_pass(ctrl, 1.5)
+    ctrl.record_copies([1])
     assert ctrl.step_time == 1.0 and list(ctrl.times) == [0]  # measured apart from plain steps and drafts
     assert ctrl.lookup_tokens == 1.0 and list(ctrl.lookup_times) == [1.5]
-    # 1 token in 1.5 s loses to plain steps: refused, except for probes at gaps that double (5, 10, 20, ...).
+    # 1 token in 1.5 s loses to plain steps: refused, except for probes of the cost at gaps that double (5, 10, 20).
     answers = [ctrl.use_lookup() for _ in range(40)]
     assert [i + 2 for i, a in enumerate(answers) if a] == [5, 15, 35], answers  # match numbers 5, 5+10, 15+20
-    for _ in range(20):
-        ctrl.update(0, torch.tensor([4]), torch.tensor([4]), torch.tensor([True]), 1.5, lookup=True)
-    assert ctrl.lookup_tokens > 3.5 and all(ctrl.use_lookup() for _ in range(10))
+    # Copies that were declined still count: once recent ones would have committed 4 tokens, lookups pay.
+    ctrl.record_copies([4] * 32)
+    assert ctrl.lookup_tokens == 4.0 and all(ctrl.use_lookup() for _ in range(10))
+    ctrl.record_copies([1] * 32)  # the text moved on: recent copies fail, and lookups stop at once
+    assert not any(ctrl.use_lookup() for _ in range(3))
 
 
 class _PlainThenLookup(DraftLengthController):
@@ -329,7 +337,8 @@ def test_the_lookup_must_beat_the_chosen_length_not_only_a_plain_step():
     ctrl = DraftLengthController(3, probe_every=50)
     _feed(ctrl, 0, [0], 1.0)  # plain step: 1 token per second
     assert ctrl.use_lookup(2.0)  # not measured yet: try it
-    ctrl.update(0, torch.tensor([4]), torch.tensor([2]), torch.tensor([True]), 1.25, lookup=True)
+    _lookup_pass(ctrl, 1.25)
+    ctrl.record_copies([2])
     assert ctrl.lookup_rate() == pytest.approx(1.6)
     assert ctrl.use_lookup(1.0)  # beats a plain step
     assert not ctrl.use_lookup(2.0)  # loses to a draft expected at 2 tokens per plain-step time
@@ -354,6 +363,72 @@ def test_lookup_passes_in_place_of_plain_steps_keep_greedy_identity(monkeypatch,
     assert out.timings["lookup_passes"] > 0 and out.timings["draft_steps"] == 0  # copies only, nothing drafted
     assert max(max(row) for row in out.accepted_lengths) > 1  # some copies were accepted
     assert out.timings["plain_steps"] + out.timings["lookup_passes"] == out.timings["passes"]
+
+
+class _Recording:
+    """Keeps the copies' outcomes the loop records."""
+
+    def record_copies(self, outcomes):
+        type(self).outcomes.extend(outcomes)
+        super().record_copies(outcomes)
+
+
+class _RecordingLookups(_Recording, _PlainThenLookup):
+    outcomes = []
+
+
+class _RecordingDeclines(_Recording, DraftLengthController):
+    """Plain steps only: every copy is declined."""
+
+    outcomes = []
+
+    def choose(self, limit, pending_slots=0):
+        return 0
+
+    def use_lookup(self, chosen_rate=1.0):
+        return False
+
+
+def _generate_with(monkeypatch, controller):
+    from test_lookup_merge import _repetitive_prompt
+
+    monkeypatch.setattr(adaptive, "DraftLengthController", controller)
+    controller.outcomes = []
+    target = make_target("llama", sharpen=3.0)
+    ids, _ = _repetitive_prompt(1)
+    torch.manual_seed(0)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3)).eval()
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=40, do_sample=False, lookup_tokens=6,
+                          eos_token_id=None, return_dict_in_generate=True)  # fmt: skip
+    return ids, out
+
+
+def test_copy_outcomes_are_what_lookup_passes_commit(monkeypatch):
+    """Greedy: the outcome recorded for each verified copy is exactly the tokens its lookup pass committed."""
+    _, out = _generate_with(monkeypatch, _RecordingLookups)
+    passes = zip(out.accepted_lengths[0], out.draft_lengths[0])
+    lookup_committed = [int(tokens) for tokens, copied in passes if copied > 0]  # a plain step verifies nothing
+    assert out.timings["lookup_passes"] == len(lookup_committed) > 3 and max(lookup_committed) > 1
+    assert _RecordingLookups.outcomes == lookup_committed
+
+
+def test_declined_copies_are_scored_against_the_text_that_followed(monkeypatch):
+    """Plain steps only: no copy is verified, and every position with a match still yields its outcome, the tokens
+    a lookup pass would have committed there (replayed here on the finished text)."""
+    ids, out = _generate_with(monkeypatch, _RecordingDeclines)
+    assert out.timings["lookup_passes"] == 0
+    text = out.sequences[0]
+    expected = []
+    for end in range(ids.shape[1] + 1, text.numel()):  # each plain step's text (the first token came with the prompt)
+        budget = min(6, text.numel() - 1 - end)  # a copy never runs past the length limit
+        copy, n = lookup_continuations(text[None, :end], torch.zeros(1, dtype=torch.long), torch.tensor([end]), 6)
+        copy = copy[0, : min(int(n), budget)].tolist()
+        if copy:
+            follows = text[end : end + len(copy)].tolist()
+            same = next((i for i, (x, y) in enumerate(zip(copy, follows)) if x != y), len(copy))
+            expected.append(min(same + 1, text.numel() - end))
+    assert len(expected) > 10 and max(expected) > 1
+    assert _RecordingDeclines.outcomes == expected
 
 
 def _copies_alone(out) -> bool:

@@ -8,7 +8,7 @@ import torch
 from helpers import make_oracle, make_target, ragged_batch
 
 from hf_specdec import AutoModelForDrafting, Eagle3Config, Proposal
-from hf_specdec.generation.ngram import lookup_continuations, merge_lookup
+from hf_specdec.generation.ngram import CopyOutcomes, lookup_continuations, merge_lookup
 
 
 def test_lookup_finds_the_latest_occurrence_of_the_longest_ngram():
@@ -30,6 +30,25 @@ def test_lookup_falls_back_to_shorter_ngrams_and_ignores_padding():
     seq2 = torch.tensor([[3, 3, 9, 3]])
     _, n2 = lookup_continuations(seq2, torch.tensor([2]), torch.tensor([4]), 3, ngram_sizes=(1,))
     assert n2.tolist() == [0]
+
+
+def test_copy_outcomes_wait_for_their_text_then_count_what_a_lookup_pass_commits():
+    outcomes = CopyOutcomes()
+    # Rows 0 and 1 end at 4, row 2 at 3; row 1 has no copy.
+    copies = Proposal(tokens=torch.tensor([[7, 8, 9], [0, 0, 0], [5, 5, 0]]), lengths=torch.tensor([3, 0, 2]))
+    outcomes.add(copies, torch.tensor([4, 4, 3]))
+    seq = torch.tensor([[1, 2, 3, 4, 7, 8, 0, 0, 0], [1, 2, 3, 4, 7, 0, 0, 0, 0], [1, 2, 3, 5, 6, 0, 0, 0, 0]])
+    none = torch.zeros(3, dtype=torch.bool)
+    assert outcomes.resolve(seq, torch.tensor([6, 5, 4]), none) == []  # neither text is as long as its copy yet
+    # Row 2's text (5 6) repeats the copy's first token: a lookup pass commits it and the target's own next token.
+    assert outcomes.resolve(seq, torch.tensor([6, 5, 5]), none) == [2]
+    seq[0, 6] = 9  # row 0 repeats its whole copy: 3 tokens and the target's next one
+    assert outcomes.resolve(seq, torch.tensor([7, 5, 5]), none) == [4] and outcomes.pending == []
+    # A row that finished before its copy's end counts only the tokens it committed, and none where it ended.
+    outcomes.add(Proposal(tokens=torch.tensor([[9, 9], [4, 7], [0, 0]]), lengths=torch.tensor([2, 2, 0])),
+                 torch.tensor([7, 4, 5]))  # fmt: skip
+    seq[1, 4] = 4
+    assert outcomes.resolve(seq, torch.tensor([7, 5, 5]), torch.tensor([True, True, False])) == [1]
 
 
 def _chain(tokens, probs=None, lengths=None):

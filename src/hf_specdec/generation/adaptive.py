@@ -46,8 +46,10 @@ chosen draft, without drafting when every row has a copy (rows without one draft
 most where the target copies from its prompt (summaries quoting the article, answers quoting passages), and that is
 where a copy holds. Lookup passes' tokens per pass and pass time are measured separately
 (:meth:`DraftLengthController.use_lookup`): copies go first while they commit more tokens per second than the chosen
-length is expected to (by ``margin``), are tried once when nothing is known, and are re-tried at gaps that start at
-``probe_every`` matches, so that a passage that turns repetitive is noticed.
+length is expected to (by ``margin``), and are tried once when nothing is known. What a copy commits is learnt from
+every match, verified or not (:class:`hf_specdec.generation.ngram.CopyOutcomes` scores each copy against the text
+once it is known), so a passage that turns repetitive is noticed at its first matches; only the cost of a lookup
+pass needs lookup passes, and it is re-measured at gaps that start at ``probe_every`` matches while copies lose.
 
 The choice never changes *what* is generated: greedy output stays identical to plain decoding, and sampling stays
 lossless. Because the choice depends on wall-clock measurements, a sampled output for a fixed seed is not
@@ -75,7 +77,7 @@ class DraftLengthController:
         k_max: the longest chain to draft (``num_assistant_tokens``), or for trees the tree's node count.
         tree: whether the proposal is a tree (then the arms are ``{0, k_max}``).
         decay: forgetting factor per pass for the acceptance counts and tokens-per-pass of trees.
-        cost_smoothing: weight of a new pass in the moving average of the tokens a lookup pass commits.
+        copy_window: recent copy outcomes (per row and match) the tokens a lookup pass commits are averaged over.
         window: recent pass times kept per draft length (and of plain steps); a length's cost is the median of its
             times over the median of the plain steps'.
         margin: how much more a draft must be expected to commit per second than a plain step before it is taken
@@ -89,7 +91,7 @@ class DraftLengthController:
         k_max: int,
         tree: bool = False,
         decay: float = 0.97,
-        cost_smoothing: float = 0.5,
+        copy_window: int = 32,
         window: int = 8,
         margin: float = 0.05,
         probe_every: int = 12,
@@ -102,7 +104,6 @@ class DraftLengthController:
         self.k_max = int(k_max)
         self.tree = bool(tree)
         self.decay = float(decay)
-        self.smoothing = float(cost_smoothing)
         self.margin = float(margin)
         self.probe_every = int(probe_every)
         self.max_probe_gap = max(int(max_probe_gap), self.probe_every)
@@ -119,7 +120,7 @@ class DraftLengthController:
         self._probe_side = 1
         self._probes = 0
         self.last_choice: int | None = None
-        self.lookup_tokens: float | None = None  # tokens committed per row per lookup-only pass (moving average)
+        self.copy_outcomes: deque = deque(maxlen=copy_window)  # tokens recent copies committed or would have
         self.lookup_times: deque = deque(maxlen=window)  # lookup-only pass times in seconds
         self._lookup_matches = 0
         self._lookup_gap = self.probe_every
@@ -263,14 +264,15 @@ class DraftLengthController:
         """Whether a pass should verify the rows' prompt-lookup copies before the drafter's chain (asked only when
         some row has a match; ``chosen_rate``: the expected tokens per plain-step time of what :meth:`choose` gave,
         1 for a plain step): yes while lookup passes commit more tokens per second than that by ``margin``, when
-        either is not measured yet, and now and then to notice that it started paying (after ``probe_every``
-        matches, then at gaps that double while it keeps losing, up to ``max_probe_gap``)."""
+        either is not measured yet, and now and then while they lose, to re-measure what a lookup pass costs (after
+        ``probe_every`` matches, then at gaps that double, up to ``max_probe_gap``)."""
         if self.step_time is None:
             return False  # a plain step first: lookups are measured against it
         self._lookup_matches += 1
-        if self.lookup_rate() is None:
+        rate = self.lookup_rate()
+        if rate is None:
             return True
-        if self.lookup_rate() > chosen_rate * (1.0 + self.margin):
+        if rate > chosen_rate * (1.0 + self.margin):
             self._lookup_gap = self.probe_every
             self._lookup_next = self._lookup_matches + self.probe_every
             return True
@@ -280,9 +282,19 @@ class DraftLengthController:
             return True
         return False
 
+    @property
+    def lookup_tokens(self) -> float | None:
+        """Tokens a lookup pass commits per row with a copy: the mean over the recent copies' outcomes (``None``
+        before any)."""
+        return statistics.fmean(self.copy_outcomes) if self.copy_outcomes else None
+
+    def record_copies(self, outcomes: list[int]) -> None:
+        """Records what copies committed or would have committed (:class:`~hf_specdec.generation.ngram.CopyOutcomes`)."""
+        self.copy_outcomes.extend(outcomes)
+
     def lookup_rate(self) -> float | None:
-        """Measured tokens per plain-step time of passes that verify prompt-lookup copies alone (``None`` before
-        any)."""
+        """Tokens per plain-step time of passes that verify prompt-lookup copies alone: :attr:`lookup_tokens` over
+        the measured lookup passes' median time (``None`` before either is known)."""
         step = self.step_time
         if not self.lookup_times or self.lookup_tokens is None or step is None:
             return None
@@ -301,22 +313,19 @@ class DraftLengthController:
     ):
         """Records a pass: ``k`` asked for, per-row ``drafted`` tokens and ``committed`` tokens, which rows were
         still generating (``active``), and the pass's wall time. ``lookup``: the pass verified prompt-lookup copies
-        in place of the plain step ``k = 0`` (measured apart from plain steps). ``catchup_seconds``: the part of
+        in place of the plain step ``k = 0`` (its time is measured apart from plain steps; what copies commit comes
+        through :meth:`record_copies`). ``catchup_seconds``: the part of
         ``seconds`` the drafter spent catching up on ``catchup_slots`` slots of earlier plain steps (measured apart,
         so a draft length's cost is its own)."""
         self.passes += 1
         seconds = max(seconds - catchup_seconds, 1e-9)
-        act = active.bool().cpu()
-        if lookup:
-            if bool(act.any()):
-                mean = float(committed.cpu()[act].float().mean())
-                s = self.smoothing
-                self.lookup_tokens = mean if self.lookup_tokens is None else (1 - s) * self.lookup_tokens + s * mean
+        if lookup:  # what the copies commit is recorded apart, for every match (record_copies)
             self.lookup_times.append(seconds)
             return
         self.times.setdefault(k, deque(maxlen=self.window)).append(seconds)
         if catchup_slots:
             self.catchup.append((catchup_slots, catchup_seconds))
+        act = active.bool().cpu()
         if k <= 0 or not bool(act.any()):
             return
         self._record_acceptance(drafted.cpu()[act].tolist(), committed.cpu()[act].tolist())

@@ -41,7 +41,7 @@ from ..types import DraftInputs, Proposal, SpeculativeDecoderOnlyOutput, Verific
 from ..verification import get_verifier
 from .adaptive import DRAFT_LENGTH_MODES, controller_for
 from .logits import ScoreProcessor
-from .ngram import NGRAM_SIZES, lookup_continuations, lookup_proposal, merge_lookup
+from .ngram import NGRAM_SIZES, CopyOutcomes, lookup_continuations, lookup_proposal, merge_lookup
 from .options import option_names, route_options
 
 __all__ = ["speculative_generate", "TargetPasses", "Committer", "LoopStats"]
@@ -710,6 +710,7 @@ class SpeculativeDecoder:
         if options.draft_length == "adaptive":
             tree_key, k = options.controller_key()
             self.controller = controller_for(drafter, model, k, tree_key, self.bsz, options.do_sample, self.work)
+        self.copy_outcomes = CopyOutcomes()  # the rows' lookup copies, scored once their text is known
         self.plain_steps = 0
         self.pending: list[DraftInputs] = []  # verified slots (and the prompt) not yet shown to the drafter
         self.prompt_waits = False  # the prompt is among them (plain steps were winning when the call began)
@@ -799,6 +800,9 @@ class SpeculativeDecoder:
         t2 = self.stats.add("target_s", t1)
         self.stats.forwards += (~self.committed.finished).long()
         verified, n, committed, finished_before = self._verify_and_commit(step, logits, hidden, drafted)
+        if self.controller is not None:
+            out = self.committed
+            self.controller.record_copies(self.copy_outcomes.resolve(self.seq, out.lengths, out.finished))
         t3 = self.stats.add("verify_s", t2)
         if self.done:
             return
@@ -843,25 +847,34 @@ class SpeculativeDecoder:
     def _copies_first(self, step: _Pass, pending_slots: int) -> Proposal | None:
         """The tokens rows verify before (or instead of) the drafter's chain: what their grammar forces, always
         (:meth:`GrammarLogitsProcessor.forced_continuations`: tokens its mask allows alone, then the forced text's
-        jump-forward tokens), else, with the adaptive length, prompt-lookup copies where some row's last n-gram occurred before and copies
-        have been measured to commit more tokens per second than the chosen draft length (or a plain step) would
-        (:meth:`DraftLengthController.use_lookup`). ``None`` when no row has any."""
+        jump-forward tokens), else prompt-lookup copies when they pay (:meth:`_lookup_copies`). ``None`` when no row
+        has any."""
         opts, limit = self.options, step.limit
         if opts.policy is not None or limit <= 0:
             return None
-        copy = None
-        if opts.lookup_tokens and self.controller is not None:
-            copy = lookup_proposal(self.seq, self.starts, self.committed.lengths, min(opts.lookup_tokens, limit),
-                                   self.vocab, opts.do_sample, ~self.committed.finished)  # fmt: skip
-            copy = self._grammar_valid(copy)
-            chosen = self.controller.rate(step.k, pending_slots) if step.k > 0 else 1.0
-            if copy is not None and not self.controller.use_lookup(chosen or 1.0):
-                copy = None
+        copy = self._lookup_copies(step, pending_slots)
         forced = self._forced_tokens(min(limit, opts.width_max)) if opts.forced_tokens else None
         if forced is None:
             return copy
         step.forced = True
         return _overlay(copy, *forced, opts.do_sample, self.vocab)
+
+    def _lookup_copies(self, step: _Pass, pending_slots: int) -> Proposal | None:
+        """With the adaptive length, the rows' prompt-lookup copies (where some row's last n-gram occurred before)
+        when copies are measured to commit more tokens per second than the chosen draft length (or a plain step)
+        would (:meth:`DraftLengthController.use_lookup`); every copy is kept to be scored once its text is known
+        (:class:`CopyOutcomes`), taken or not."""
+        opts = self.options
+        if not opts.lookup_tokens or self.controller is None:
+            return None
+        copy = lookup_proposal(self.seq, self.starts, self.committed.lengths, min(opts.lookup_tokens, step.limit),
+                               self.vocab, opts.do_sample, ~self.committed.finished)  # fmt: skip
+        copy = self._grammar_valid(copy)
+        if copy is None:
+            return None
+        self.copy_outcomes.add(copy, self.committed.lengths)
+        chosen = self.controller.rate(step.k, pending_slots) if step.k > 0 else 1.0
+        return copy if self.controller.use_lookup(chosen or 1.0) else None
 
     def _grammar_valid(self, copy: Proposal | None) -> Proposal | None:
         """``copy`` with each row's copy cut where its grammar rejects a token (``None`` when nothing is left)."""

@@ -21,7 +21,7 @@ import torch
 
 from ..types import Proposal
 
-__all__ = ["AGREE", "NGRAM_SIZES", "lookup_continuations", "lookup_proposal", "merge_lookup"]
+__all__ = ["AGREE", "NGRAM_SIZES", "CopyOutcomes", "lookup_continuations", "lookup_proposal", "merge_lookup"]
 
 AGREE = 2  # leading draft tokens that must equal the copy's before a row switches to it
 NGRAM_SIZES = (3, 2)  # n-gram sizes looked up, longest first
@@ -147,3 +147,46 @@ def merge_lookup(
         tokens=tokens, draft_probs=probs, kind=proposal.kind, lengths=new_lengths, extras=dict(proposal.extras)
     )
     return merged, switched
+
+
+class CopyOutcomes:
+    """What prompt-lookup copies commit, learnt from every copy whether a pass verified it or not.
+
+    A copy proposed when a row's text ends at ``p`` commits ``a + 1`` tokens in a lookup pass, ``a`` being how many
+    of its tokens the row's text from ``p`` on repeats (then the target's own token). Once that text is known, the
+    outcome follows from it alone: exactly when decoding greedily, verified or not; when sampling, in expectation (a
+    copied token is accepted with the target's probability of it, the chance that the sampled text has it). So the
+    adaptive length learns what copies are worth at every match, not only in the passes that verified one, and a
+    copy it declined still counts (:meth:`DraftLengthController.record_copies`).
+    """
+
+    def __init__(self):
+        self.pending: list[tuple[int, int, list[int]]] = []  # (row, where its text ended, the copy)
+
+    def add(self, copy: Proposal, lengths: torch.Tensor) -> None:
+        """Keeps the rows' copies of ``copy`` (rows with ``copy.lengths`` 0 have none) proposed at ``lengths``."""
+        counts = copy.lengths.tolist()
+        tokens = copy.tokens.tolist()
+        for b, (end, n) in enumerate(zip(lengths.tolist(), counts)):
+            if n:
+                self.pending.append((b, end, tokens[b][:n]))
+
+    def resolve(self, seq: torch.Tensor, lengths: torch.Tensor, finished: torch.Tensor) -> list[int]:
+        """The outcomes of the kept copies whose text is now known (as long as the copy, or the row has finished),
+        in tokens per pass; the others stay kept."""
+        ends, done = lengths.tolist(), finished.tolist()
+        ready, waiting = [], []
+        for c in self.pending:
+            b, start, copy = c
+            (ready if done[b] or ends[b] - start >= len(copy) else waiting).append(c)
+        self.pending = waiting
+        if not ready:
+            return []
+        rows = seq[:, : max(ends)].cpu()
+        outcomes = []
+        for b, start, copy in ready:
+            known = rows[b, start : ends[b]].tolist()
+            a = next((i for i, (x, y) in enumerate(zip(copy, known)) if x != y), min(len(copy), len(known)))
+            if known:  # a row that finished where the copy began has no outcome
+                outcomes.append(min(a + 1, len(known)) if done[b] else a + 1)
+        return outcomes
