@@ -34,21 +34,29 @@ def test_lookup_falls_back_to_shorter_ngrams_and_ignores_padding():
 
 def test_copy_outcomes_wait_for_their_text_then_count_what_a_lookup_pass_commits():
     outcomes = CopyOutcomes()
+    everyone = torch.ones(3, dtype=torch.bool)
     # Rows 0 and 1 end at 4, row 2 at 3; row 1 has no copy.
     copies = Proposal(tokens=torch.tensor([[7, 8, 9], [0, 0, 0], [5, 5, 0]]), lengths=torch.tensor([3, 0, 2]))
-    outcomes.add(copies, torch.tensor([4, 4, 3]))
+    outcomes.add(copies, torch.tensor([4, 4, 3]), everyone)
     seq = torch.tensor([[1, 2, 3, 4, 7, 8, 0, 0, 0], [1, 2, 3, 4, 7, 0, 0, 0, 0], [1, 2, 3, 5, 6, 0, 0, 0, 0]])
-    none = torch.zeros(3, dtype=torch.bool)
+    none = ~everyone
     assert outcomes.resolve(seq, torch.tensor([6, 5, 4]), none) == []  # neither text is as long as its copy yet
-    # Row 2's text (5 6) repeats the copy's first token: a lookup pass commits it and the target's own next token.
-    assert outcomes.resolve(seq, torch.tensor([6, 5, 5]), none) == [2]
-    seq[0, 6] = 9  # row 0 repeats its whole copy: 3 tokens and the target's next one
-    assert outcomes.resolve(seq, torch.tensor([7, 5, 5]), none) == [4] and outcomes.pending == []
+    assert outcomes.resolve(seq, torch.tensor([6, 5, 5]), none) == []  # row 2's is, row 0's not yet
+    seq[0, 6] = 9
+    # Row 0 repeats its whole copy (3 tokens and the target's next one: 4), row 2 the first token of its copy (then
+    # the target's own: 2), row 1 commits its one token: the pass commits 7 tokens over 3 rows.
+    assert outcomes.resolve(seq, torch.tensor([7, 5, 5]), none) == [pytest.approx(7 / 3)]
+    assert outcomes.pending == []
     # A row that finished before its copy's end counts only the tokens it committed, and none where it ended.
     outcomes.add(Proposal(tokens=torch.tensor([[9, 9], [4, 7], [0, 0]]), lengths=torch.tensor([2, 2, 0])),
-                 torch.tensor([7, 4, 5]))  # fmt: skip
+                 torch.tensor([7, 4, 5]), everyone)  # fmt: skip
     seq[1, 4] = 4
-    assert outcomes.resolve(seq, torch.tensor([7, 5, 5]), torch.tensor([True, True, False])) == [1]
+    assert outcomes.resolve(seq, torch.tensor([7, 5, 5]), torch.tensor([True, True, False])) == [1.0]
+    # A pass whose only copy's row finished where the copy began has no outcome.
+    outcomes.add(Proposal(tokens=torch.tensor([[9], [0], [0]]), lengths=torch.tensor([1, 0, 0])),
+                 torch.tensor([7, 5, 5]), torch.tensor([True, False, False]))  # fmt: skip
+    assert outcomes.resolve(seq, torch.tensor([7, 5, 5]), torch.tensor([True, True, True])) == []
+    assert outcomes.pending == []
 
 
 def _chain(tokens, probs=None, lengths=None):

@@ -48,7 +48,8 @@ where a copy holds. Lookup passes' tokens per pass and pass time are measured se
 (:meth:`DraftLengthController.use_lookup`): copies go first while they commit more tokens per second than the chosen
 length is expected to (by ``margin``), and are tried once when nothing is known. What a copy commits is learnt from
 every match, verified or not (:class:`hf_specdec.generation.ngram.CopyOutcomes` scores each copy against the text
-once it is known), so a passage that turns repetitive is noticed at its first matches; only the cost of a lookup
+once it is known; in a batch, rows without a copy count their one token), so a passage that turns repetitive is
+noticed at its first matches; only the cost of a lookup
 pass needs lookup passes, and it is re-measured at gaps that start at ``probe_every`` matches while copies lose.
 
 The choice never changes *what* is generated: greedy output stays identical to plain decoding, and sampling stays
@@ -77,7 +78,8 @@ class DraftLengthController:
         k_max: the longest chain to draft (``num_assistant_tokens``), or for trees the tree's node count.
         tree: whether the proposal is a tree (then the arms are ``{0, k_max}``).
         decay: forgetting factor per pass for the acceptance counts and tokens-per-pass of trees.
-        copy_window: recent copy outcomes (per row and match) the tokens a lookup pass commits are averaged over.
+        copy_window: recent passes with a copy whose outcome (tokens per row a lookup pass commits there) is
+            averaged.
         window: recent pass times kept per draft length (and of plain steps); a length's cost is the median of its
             times over the median of the plain steps'.
         margin: how much more a draft must be expected to commit per second than a plain step before it is taken
@@ -120,7 +122,7 @@ class DraftLengthController:
         self._probe_side = 1
         self._probes = 0
         self.last_choice: int | None = None
-        self.copy_outcomes: deque = deque(maxlen=copy_window)  # tokens recent copies committed or would have
+        self.copy_outcomes: deque = deque(maxlen=copy_window)  # per row, what recent lookup passes commit(ted)
         self.lookup_times: deque = deque(maxlen=window)  # lookup-only pass times in seconds
         self._lookup_matches = 0
         self._lookup_gap = self.probe_every
@@ -284,12 +286,13 @@ class DraftLengthController:
 
     @property
     def lookup_tokens(self) -> float | None:
-        """Tokens a lookup pass commits per row with a copy: the mean over the recent copies' outcomes (``None``
+        """Tokens per row a lookup pass commits: the mean over recent passes with a copy, verified or not (``None``
         before any)."""
         return statistics.fmean(self.copy_outcomes) if self.copy_outcomes else None
 
-    def record_copies(self, outcomes: list[int]) -> None:
-        """Records what copies committed or would have committed (:class:`~hf_specdec.generation.ngram.CopyOutcomes`)."""
+    def record_copies(self, outcomes: list[float]) -> None:
+        """Records what lookup passes committed or would have committed, in tokens per row
+        (:class:`~hf_specdec.generation.ngram.CopyOutcomes`)."""
         self.copy_outcomes.extend(outcomes)
 
     def lookup_rate(self) -> float | None:

@@ -872,7 +872,7 @@ class SpeculativeDecoder:
         copy = self._grammar_valid(copy)
         if copy is None:
             return None
-        self.copy_outcomes.add(copy, self.committed.lengths)
+        self.copy_outcomes.add(copy, self.committed.lengths, ~self.committed.finished)
         chosen = self.controller.rate(step.k, pending_slots) if step.k > 0 else 1.0
         return copy if self.controller.use_lookup(chosen or 1.0) else None
 

@@ -150,43 +150,57 @@ def merge_lookup(
 
 
 class CopyOutcomes:
-    """What prompt-lookup copies commit, learnt from every copy whether a pass verified it or not.
+    """What lookup passes commit, learnt from every pass with a copy, whether it verified the copies or not.
 
     A copy proposed when a row's text ends at ``p`` commits ``a + 1`` tokens in a lookup pass, ``a`` being how many
-    of its tokens the row's text from ``p`` on repeats (then the target's own token). Once that text is known, the
-    outcome follows from it alone: exactly when decoding greedily, verified or not; when sampling, in expectation (a
-    copied token is accepted with the target's probability of it, the chance that the sampled text has it). So the
-    adaptive length learns what copies are worth at every match, not only in the passes that verified one, and a
-    copy it declined still counts (:meth:`DraftLengthController.record_copies`).
+    of its tokens the row's text from ``p`` on repeats (then the target's own token); a row without a copy commits
+    its one token. Once the rows' text is known, the pass's outcome (tokens per row) follows from it alone: exactly
+    when decoding greedily, verified or not; when sampling, in expectation (a copied token is accepted with the
+    target's probability of it, the chance that the sampled text has it). So the adaptive length learns what lookup
+    passes are worth at every match, not only in the passes that verified one, and copies it declined still count
+    (:meth:`DraftLengthController.record_copies`).
     """
 
     def __init__(self):
-        self.pending: list[tuple[int, int, list[int]]] = []  # (row, where its text ended, the copy)
+        self.pending: list[_PassCopies] = []
 
-    def add(self, copy: Proposal, lengths: torch.Tensor) -> None:
-        """Keeps the rows' copies of ``copy`` (rows with ``copy.lengths`` 0 have none) proposed at ``lengths``."""
-        counts = copy.lengths.tolist()
-        tokens = copy.tokens.tolist()
-        for b, (end, n) in enumerate(zip(lengths.tolist(), counts)):
-            if n:
-                self.pending.append((b, end, tokens[b][:n]))
+    def add(self, copy: Proposal, lengths: torch.Tensor, active: torch.Tensor) -> None:
+        """Keeps a pass's copies (``copy.lengths`` 0: a row without one) proposed at ``lengths``; ``active``: the
+        rows still generating."""
+        counts, tokens = copy.lengths.tolist(), copy.tokens.tolist()
+        rows = [(b, end, tokens[b][:n]) for b, (end, n) in enumerate(zip(lengths.tolist(), counts)) if n]
+        self.pending.append(_PassCopies(rows, int(active.sum()) - len(rows)))
 
-    def resolve(self, seq: torch.Tensor, lengths: torch.Tensor, finished: torch.Tensor) -> list[int]:
-        """The outcomes of the kept copies whose text is now known (as long as the copy, or the row has finished),
-        in tokens per pass; the others stay kept."""
+    def resolve(self, seq: torch.Tensor, lengths: torch.Tensor, finished: torch.Tensor) -> list[float]:
+        """The outcomes, in tokens per row, of the kept passes whose copies' text is now known (as long as each
+        copy, or the row has finished); the others stay kept."""
         ends, done = lengths.tolist(), finished.tolist()
-        ready, waiting = [], []
-        for c in self.pending:
-            b, start, copy = c
-            (ready if done[b] or ends[b] - start >= len(copy) else waiting).append(c)
-        self.pending = waiting
+        ready = [p for p in self.pending if p.known(ends, done)]
         if not ready:
             return []
+        self.pending = [p for p in self.pending if p not in ready]
         rows = seq[:, : max(ends)].cpu()
-        outcomes = []
-        for b, start, copy in ready:
-            known = rows[b, start : ends[b]].tolist()
+        return [v for p in ready if (v := p.outcome(rows, ends, done)) is not None]
+
+
+class _PassCopies:
+    """One pass's copies (``(row, where its text ended, the copy)``) and how many active rows had none."""
+
+    def __init__(self, rows: list[tuple[int, int, list[int]]], without: int):
+        self.rows, self.without = rows, without
+
+    def known(self, ends: list[int], done: list[bool]) -> bool:
+        return all(done[b] or ends[b] - start >= len(copy) for b, start, copy in self.rows)
+
+    def outcome(self, seq: torch.Tensor, ends: list[int], done: list[bool]) -> float | None:
+        """Tokens per row the pass commits with the copies verified (``None`` when every row with a copy finished
+        where its copy began)."""
+        committed = []
+        for b, start, copy in self.rows:
+            known = seq[b, start : ends[b]].tolist()
             a = next((i for i, (x, y) in enumerate(zip(copy, known)) if x != y), min(len(copy), len(known)))
-            if known:  # a row that finished where the copy began has no outcome
-                outcomes.append(min(a + 1, len(known)) if done[b] else a + 1)
-        return outcomes
+            if known:  # a row that finished where its copy began has no outcome
+                committed.append(min(a + 1, len(known)) if done[b] else a + 1)
+        if not committed:
+            return None
+        return (sum(committed) + self.without) / (len(committed) + self.without)
