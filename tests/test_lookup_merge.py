@@ -46,17 +46,34 @@ def test_copy_outcomes_wait_for_their_text_then_count_what_a_lookup_pass_commits
     # Row 0 repeats its whole copy (3 tokens and the target's next one: 4), row 2 the first token of its copy (then
     # the target's own: 2), row 1 commits its one token: the pass commits 7 tokens over 3 rows.
     assert outcomes.resolve(seq, torch.tensor([7, 5, 5]), none) == [pytest.approx(7 / 3)]
-    assert outcomes.pending == []
+    assert not outcomes.pending
+
+
+def test_copy_outcomes_of_finished_rows_count_what_they_committed():
+    outcomes = CopyOutcomes()
+    seq = torch.tensor([[1, 2, 3, 4, 7, 8, 9, 0, 0], [1, 2, 3, 4, 4, 0, 0, 0, 0], [1, 2, 3, 5, 6, 0, 0, 0, 0]])
     # A row that finished before its copy's end counts only the tokens it committed, and none where it ended.
     outcomes.add(Proposal(tokens=torch.tensor([[9, 9], [4, 7], [0, 0]]), lengths=torch.tensor([2, 2, 0])),
-                 torch.tensor([7, 4, 5]), everyone)  # fmt: skip
-    seq[1, 4] = 4
+                 torch.tensor([7, 4, 5]), torch.ones(3, dtype=torch.bool))  # fmt: skip
     assert outcomes.resolve(seq, torch.tensor([7, 5, 5]), torch.tensor([True, True, False])) == [1.0]
     # A pass whose only copy's row finished where the copy began has no outcome.
     outcomes.add(Proposal(tokens=torch.tensor([[9], [0], [0]]), lengths=torch.tensor([1, 0, 0])),
                  torch.tensor([7, 5, 5]), torch.tensor([True, False, False]))  # fmt: skip
     assert outcomes.resolve(seq, torch.tensor([7, 5, 5]), torch.tensor([True, True, True])) == []
-    assert outcomes.pending == []
+    assert not outcomes.pending
+
+
+def test_copies_inside_what_an_earlier_copy_would_commit_are_not_scored():
+    """Plain steps through a repeated run: the run is scored once, at its start, as a pass verifying it would
+    commit it, not again one token shorter at each step."""
+    outcomes = CopyOutcomes()
+    seq = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 9, 4, 4, 4]])
+    one = torch.ones(1, dtype=torch.bool)
+    for end, copy in [(6, [7, 8]), (7, [8, 5]), (8, [9, 9]), (9, [4, 3])]:  # the copies after each plain step
+        outcomes.add(Proposal(tokens=torch.tensor([copy]), lengths=torch.tensor([2])), torch.tensor([end]), one)
+    # At 6 the copy 7 8 holds, and a pass verifying it commits 7 8 9 (3 tokens): the copies at 7 and 8 lie inside
+    # it; the next pass would begin at 9, where the copy holds for one token (then the target's own: 2).
+    assert outcomes.resolve(seq, torch.tensor([12]), ~one) == [3.0, 2.0]
 
 
 def _chain(tokens, probs=None, lengths=None):

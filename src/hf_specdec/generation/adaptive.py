@@ -48,8 +48,8 @@ where a copy holds. Lookup passes' tokens per pass and pass time are measured se
 (:meth:`DraftLengthController.use_lookup`): copies go first while they commit more tokens per second than the chosen
 length is expected to (by ``margin``), and are tried once when nothing is known. What a copy commits is learnt from
 every match, verified or not (:class:`hf_specdec.generation.ngram.CopyOutcomes` scores each copy against the text
-once it is known; in a batch, rows without a copy count their one token), so a passage that turns repetitive is
-noticed at its first matches; only the cost of a lookup
+once it is known, as a pass that verified every copy would have committed it; in a batch, rows without a copy count
+their one token), so a passage that turns repetitive is noticed at its first matches; only the cost of a lookup
 pass needs lookup passes, and it is re-measured at gaps that start at ``probe_every`` matches while copies lose.
 
 The choice never changes *what* is generated: greedy output stays identical to plain decoding, and sampling stays

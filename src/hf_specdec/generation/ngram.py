@@ -17,6 +17,8 @@ verifier as point masses (``q = one-hot``), and the decision to copy depends onl
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from ..types import Proposal
@@ -150,7 +152,7 @@ def merge_lookup(
 
 
 class CopyOutcomes:
-    """What lookup passes commit, learnt from every pass with a copy, whether it verified the copies or not.
+    """What lookup passes would commit, learnt from every pass with a copy, whether it verified the copies or not.
 
     A copy proposed when a row's text ends at ``p`` commits ``a + 1`` tokens in a lookup pass, ``a`` being how many
     of its tokens the row's text from ``p`` on repeats (then the target's own token); a row without a copy commits
@@ -159,10 +161,15 @@ class CopyOutcomes:
     target's probability of it, the chance that the sampled text has it). So the adaptive length learns what lookup
     passes are worth at every match, not only in the passes that verified one, and copies it declined still count
     (:meth:`DraftLengthController.record_copies`).
+
+    The outcomes are those of passes that verify every copy: a copy proposed inside the tokens an earlier copy would
+    have committed is not scored (after plain steps through a repeated run, the run counts once, at its start, not
+    again one token shorter at each step). Passes are scored in order, once all their copies' text is known.
     """
 
     def __init__(self):
-        self.pending: list[_PassCopies] = []
+        self.pending: deque[_PassCopies] = deque()
+        self.next_stop: dict[int, int] = {}  # row -> where a pass that verified every copy would have stopped next
 
     def add(self, copy: Proposal, lengths: torch.Tensor, active: torch.Tensor) -> None:
         """Keeps a pass's copies (``copy.lengths`` 0: a row without one) proposed at ``lengths``; ``active``: the
@@ -173,14 +180,15 @@ class CopyOutcomes:
 
     def resolve(self, seq: torch.Tensor, lengths: torch.Tensor, finished: torch.Tensor) -> list[float]:
         """The outcomes, in tokens per row, of the kept passes whose copies' text is now known (as long as each
-        copy, or the row has finished); the others stay kept."""
+        copy, or the row has finished), in the order of the passes."""
         ends, done = lengths.tolist(), finished.tolist()
-        ready = [p for p in self.pending if p.known(ends, done)]
-        if not ready:
-            return []
-        self.pending = [p for p in self.pending if p not in ready]
-        rows = seq[:, : max(ends)].cpu()
-        return [v for p in ready if (v := p.outcome(rows, ends, done)) is not None]
+        outcomes, rows = [], None
+        while self.pending and self.pending[0].known(ends, done):
+            rows = seq[:, : max(ends)].cpu() if rows is None else rows
+            outcome = self.pending.popleft().outcome(rows, ends, done, self.next_stop)
+            if outcome is not None:
+                outcomes.append(outcome)
+        return outcomes
 
 
 class _PassCopies:
@@ -192,15 +200,18 @@ class _PassCopies:
     def known(self, ends: list[int], done: list[bool]) -> bool:
         return all(done[b] or ends[b] - start >= len(copy) for b, start, copy in self.rows)
 
-    def outcome(self, seq: torch.Tensor, ends: list[int], done: list[bool]) -> float | None:
-        """Tokens per row the pass commits with the copies verified (``None`` when every row with a copy finished
-        where its copy began)."""
+    def outcome(self, seq: torch.Tensor, ends: list[int], done: list[bool], next_stop: dict[int, int]) -> float | None:
+        """Tokens per row the pass commits with the copies verified; ``None`` when no copy is scored (each lies
+        inside what an earlier copy would have committed, or its row finished where it began). ``next_stop`` is
+        moved past each scored copy's tokens."""
         committed = []
         for b, start, copy in self.rows:
             known = seq[b, start : ends[b]].tolist()
+            if not known or start < next_stop.get(b, 0):
+                continue
             a = next((i for i, (x, y) in enumerate(zip(copy, known)) if x != y), min(len(copy), len(known)))
-            if known:  # a row that finished where its copy began has no outcome
-                committed.append(min(a + 1, len(known)) if done[b] else a + 1)
+            committed.append(min(a + 1, len(known)) if done[b] else a + 1)
+            next_stop[b] = start + committed[-1]
         if not committed:
             return None
         return (sum(committed) + self.without) / (len(committed) + self.without)
