@@ -181,6 +181,8 @@ class CopyOutcomes:
     def resolve(self, seq: torch.Tensor, lengths: torch.Tensor, finished: torch.Tensor) -> list[float]:
         """The outcomes, in tokens per row, of the kept passes whose copies' text is now known (as long as each
         copy, or the row has finished), in the order of the passes."""
+        if not self.pending:
+            return []  # nothing to score: no host-device copy of the lengths
         ends, done = lengths.tolist(), finished.tolist()
         outcomes, rows = [], None
         while self.pending and self.pending[0].known(ends, done):
