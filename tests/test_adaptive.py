@@ -174,6 +174,31 @@ def test_catch_up_is_measured_apart_and_counted_against_the_next_draft():
     assert ctrl.best(pending_slots=100) == 0  # 5 steps of catch-up eat the gain of the next draft
 
 
+def _losing_drafter_with_a_dear_catch_up() -> DraftLengthController:
+    """A controller past its first probe point where drafts are never accepted (plain steps win) and the drafter's
+    catch-up costs 0.05 plain steps per slot."""
+    ctrl = DraftLengthController(2, probe_every=4)
+    _feed(ctrl, 0, [0], 1.0)
+    for _ in range(5):
+        _feed(ctrl, 2, [0], 1.2)
+    ctrl.update(2, torch.tensor([2]), torch.tensor([1]), torch.tensor([True]), 6.2, False, 5.0, 100)
+    ctrl.passes = ctrl._next_probe = 10
+    return ctrl
+
+
+def test_a_probe_waits_while_the_catch_up_would_cost_more_than_its_share_of_the_call():
+    ctrl = _losing_drafter_with_a_dear_catch_up()
+    assert ctrl.best(pending_slots=0) == 0 and ctrl.catchup_cost(100) == pytest.approx(5.0)
+    waited = []
+    for _ in range(30):  # 100 steps left: a probe may spend 2 on catching up, and 100 pending slots cost 5
+        waited.append(ctrl.choose(100, pending_slots=100))
+        _feed(ctrl, 0, [0], 1.0)
+    assert waited == [0] * 30
+    assert ctrl.choose(100, pending_slots=10) > 0  # 0.5 steps of catch-up: the waiting probe runs
+    # A long call affords the same catch-up (5 of the 20 steps a probe may spend).
+    assert _losing_drafter_with_a_dear_catch_up().choose(1000, pending_slots=100) > 0
+
+
 def test_tree_controller_chooses_between_tree_and_plain():
     ctrl = DraftLengthController(16, tree=True)
     assert ctrl.arms() == [0, 16]

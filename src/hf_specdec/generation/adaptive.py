@@ -33,7 +33,10 @@ large batch on a compute-bound device.
   next to the current best (hill climbing), so a length that was underestimated gets measured. The first probe comes
   after ``probe_every`` passes; while probes do not change the best choice, the gap between them doubles (up to
   ``max_probe_gap`` passes), so a drafter that does not pay costs next to nothing, and it shrinks back to
-  ``probe_every`` as soon as the best choice changes.
+  ``probe_every`` as soon as the best choice changes. A probe that drafts after plain steps first pays for the
+  drafter's catch-up; it waits while that would cost more than ``probe_share`` of the plain steps left in the call
+  (a waiting prompt of a thousand tokens at batch 4 costs about five steps, more than a short call's probe can win
+  back), and is taken in a later call where it is cheap.
 * The estimates are kept per drafter, target, device, batch size, decoding mode and tree policy
   (:class:`DraftLengthMemory`, outside the drafter object), so later ``generate`` calls start from what earlier
   ones learnt.
@@ -86,6 +89,8 @@ class DraftLengthController:
             (0.05: 5 % more), so that measurement noise does not make the loop draft where drafting breaks even.
         probe_every: passes before the first probe of a neighbouring draft length (and the gap after a change).
         max_probe_gap: the longest gap between two probes.
+        probe_share: the most the drafter's catch-up before a probe may cost, as a share of the plain steps left
+            in the call (0.02: 2 %); a dearer probe waits.
     """
 
     def __init__(
@@ -98,6 +103,7 @@ class DraftLengthController:
         margin: float = 0.05,
         probe_every: int = 12,
         max_probe_gap: int = 192,
+        probe_share: float = 0.02,
     ):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}.")
@@ -109,6 +115,7 @@ class DraftLengthController:
         self.margin = float(margin)
         self.probe_every = int(probe_every)
         self.max_probe_gap = max(int(max_probe_gap), self.probe_every)
+        self.probe_share = float(probe_share)
         self._probe_gap = self.probe_every
         self._next_probe = self.probe_every
         self._last_best: int | None = None
@@ -223,7 +230,7 @@ class DraftLengthController:
     def choose(self, limit: int, pending_slots: int = 0) -> int:
         """The draft length of the next pass, at most ``limit`` (the tokens left before the length limit);
         ``pending_slots``: verified slots the drafter has not seen yet (it catches up before drafting)."""
-        limit = min(limit, self.k_max)
+        steps_left, limit = limit, min(limit, self.k_max)
         if limit <= 0:
             return 0
         if self.tree and limit < self.k_max:
@@ -237,12 +244,17 @@ class DraftLengthController:
                 self._last_best = choice
                 self._probe_gap = self.probe_every
                 self._next_probe = min(self._next_probe, n + max(self.probe_every // 4, 1))
-            if n > 1 and n >= self._next_probe:
+            if n > 1 and n >= self._next_probe and self._probe_affordable(choice, steps_left, pending_slots):
                 self._probe_gap = min(2 * self._probe_gap, self.max_probe_gap)
                 self._next_probe = n + self._probe_gap
                 choice = self._probe(choice, limit)
         self.last_choice = choice
         return choice
+
+    def _probe_affordable(self, choice: int, steps_left: int, pending_slots: int) -> bool:
+        """Whether a probe may run now: one that drafts after plain steps (``choice`` 0) must not spend more than
+        ``probe_share`` of the ``steps_left`` plain steps left in the call on the drafter's catch-up."""
+        return choice > 0 or self.catchup_cost(pending_slots) <= self.probe_share * steps_left
 
     def _probe(self, choice: int, limit: int) -> int:
         """A probe: while drafting wins, every other probe is a plain step (it re-measures the anchor every cost is
