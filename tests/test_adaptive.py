@@ -174,6 +174,32 @@ def test_catch_up_is_measured_apart_and_counted_against_the_next_draft():
     assert ctrl.best(pending_slots=100) == 0  # 5 steps of catch-up eat the gain of the next draft
 
 
+def test_a_batch_pass_counts_as_the_progress_of_its_row_furthest_behind():
+    tied = DraftLengthController(3, decay=1.0)
+    committed = torch.tensor([4, 1, 1, 1])  # rows tied at 10; one accepts its three drafts, the others none
+    tied.update(3, torch.full((4,), 3), committed, torch.ones(4, dtype=torch.bool), 1.0, ends=10 + committed)
+    assert (tied.reached[1], tied.accepted[1]) == (1, 0)  # the call moved on by one token
+    apart = DraftLengthController(3, decay=1.0)
+    committed = torch.tensor([4, 1])  # the row behind (at 10) catches up past the one ahead (at 12)
+    apart.update(3, torch.full((2,), 3), committed, torch.ones(2, dtype=torch.bool), 1.0, ends=torch.tensor([14, 13]))
+    assert apart.accepted[1:] == [1, 1, 0]  # the shortest row went from 10 to 13: three tokens, two drafts
+
+
+def test_drafts_that_pay_for_the_rows_mean_but_not_for_the_last_row_lose():
+    def controller(with_ends: bool) -> DraftLengthController:
+        ctrl = DraftLengthController(2, probe_every=1000)
+        _feed(ctrl, 0, [0], 1.0)
+        for i in range(40):  # each pass one row accepts both drafts, the others none: 1.5 tokens per row, 1 for the call
+            committed = torch.ones(4, dtype=torch.long)
+            committed[i % 4] = 3
+            ends = 10 + i + committed if with_ends else None
+            ctrl.update(2, torch.full((4,), 2), committed, torch.ones(4, dtype=torch.bool), 1.3, ends=ends)
+        return ctrl
+
+    assert controller(with_ends=False).best() == 2  # the rows' mean: 1.5 tokens for 1.3 steps
+    assert controller(with_ends=True).best() == 0
+
+
 def _losing_drafter_with_a_dear_catch_up() -> DraftLengthController:
     """A controller past its first probe point where drafts are never accepted (plain steps win) and the drafter's
     catch-up costs 0.05 plain steps per slot."""

@@ -12,8 +12,10 @@ result back to the drafter). :class:`DraftLengthController` estimates both onlin
 drafter only observes), chosen where drafting does not pay: a weak drafter, sampling at a high temperature, or a
 large batch on a compute-bound device.
 
-* ``alpha_d`` is counted per depth over every row of every pass that drafted that deep, with exponential forgetting
-  (``decay`` per pass) so that the estimate follows the text (code after prose, a repetitive passage...).
+* ``alpha_d`` is counted per depth over the passes that drafted that deep, with exponential forgetting (``decay`` per
+  pass) so that the estimate follows the text (code after prose, a repetitive passage...). In a batch, a pass
+  counts as the progress of the row furthest behind: a call runs until its last row is done, so a pass where one
+  row accepts three drafts and the others none moves the call on by one token, not by the rows' mean of 1.5.
 * ``t(K)`` is measured, never assumed: a length's cost is the median of its recent pass times over the median of
   the recent plain steps' (the median ignores a pass hit by a one-off stall). Plain steps are the only anchor: a
   draft pass's time never moves the plain-step time, so no run of draft passes can talk the loop into reading
@@ -325,13 +327,15 @@ class DraftLengthController:
         lookup: bool = False,
         catchup_seconds: float = 0.0,
         catchup_slots: int = 0,
+        ends: torch.Tensor | None = None,
     ):
         """Records a pass: ``k`` asked for, per-row ``drafted`` tokens and ``committed`` tokens, which rows were
         still generating (``active``), and the pass's wall time. ``lookup``: the pass verified prompt-lookup copies
         in place of the plain step ``k = 0`` (its time is measured apart from plain steps; what copies commit comes
         through :meth:`record_copies`). ``catchup_seconds``: the part of
         ``seconds`` the drafter spent catching up on ``catchup_slots`` slots of earlier plain steps (measured apart,
-        so a draft length's cost is its own)."""
+        so a draft length's cost is its own). ``ends``: the rows' lengths after the pass; with several rows, the
+        pass counts as the progress of the row furthest behind (:func:`_lagging_row`)."""
         self.passes += 1
         seconds = max(seconds - catchup_seconds, 1e-9)
         if lookup:  # what the copies commit is recorded apart, for every match (record_copies)
@@ -343,7 +347,10 @@ class DraftLengthController:
         act = active.bool().cpu()
         if k <= 0 or not bool(act.any()):
             return
-        self._record_acceptance(drafted.cpu()[act].tolist(), committed.cpu()[act].tolist())
+        drafted_rows, committed_rows = drafted.cpu()[act].tolist(), committed.cpu()[act].tolist()
+        if ends is not None and len(committed_rows) > 1:
+            drafted_rows, committed_rows = _lagging_row(drafted_rows, committed_rows, ends.cpu()[act].tolist())
+        self._record_acceptance(drafted_rows, committed_rows)
 
     def _record_acceptance(self, drafted: list[int], committed: list[int]) -> None:
         if self.tree:
@@ -362,6 +369,16 @@ class DraftLengthController:
                     self.reached[d] += 1.0
                     if acc >= d:
                         self.accepted[d] += 1.0
+
+
+def _lagging_row(drafted: list[int], committed: list[int], ends: list[int]) -> tuple[list[int], list[int]]:
+    """A batch's pass as one row's ``([drafted], [committed])``: how far the shortest row got, from the shortest
+    row before the pass (what sets how long the call runs), drafted by the row that ends shortest (of those, the
+    one that committed most: it came from furthest behind)."""
+    end = min(ends)
+    j = max((i for i, e in enumerate(ends) if e == end), key=committed.__getitem__)
+    progress = end - min(e - c for e, c in zip(ends, committed))
+    return [drafted[j]], [min(progress, drafted[j] + 1)]
 
 
 class DraftLengthMemory:

@@ -813,7 +813,7 @@ class SpeculativeDecoder:
             self.stats.timings["drafting_s"] += (t1 - step.t_start - step.catchup_s) + (t4 - t3)
         if self.controller is not None and not step.forced:
             self.controller.update(step.k, drafted, committed, ~finished_before, t4 - step.t_start, step.lookup_only,
-                                   step.catchup_s, step.catchup_slots)  # fmt: skip
+                                   step.catchup_s, step.catchup_slots, self.committed.lengths)  # fmt: skip
         self.step_index += 1
 
     def _plan(self) -> _Pass:
