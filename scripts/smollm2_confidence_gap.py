@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from results_files import write_results  # noqa: E402
-from train_smollm2_scaling import dump, split_records  # noqa: E402
+from train_smollm2_scaling import add_shards_argument, dump, read_records, split_records  # noqa: E402
 
 BUCKETS = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0001)
 
@@ -164,6 +164,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafter", default="src/hf_specdec/assets/smollm2-drafter")
     p.add_argument("--chat-data", default="data/smollm2-distill")
+    add_shards_argument(p)
     p.add_argument("--eval-every", type=int, default=64, help="the held-out rule of the scaling curve")
     p.add_argument("--per-category", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -176,14 +177,13 @@ def main(argv=None):
 
     from hf_specdec import AutoModelForDrafting
     from hf_specdec.gguf_target import load_smollm2
-    from hf_specdec.training.distill import read_distill_dataset
 
     os.makedirs(args.work, exist_ok=True)
     target, tokenizer = load_smollm2(dtype="bfloat16")
     target.eval()
     drafter = AutoModelForDrafting.from_pretrained(args.drafter).float().eval()
     drafter.bind_target(target)
-    _, held_out = split_records(read_distill_dataset(args.chat_data), args.eval_every)
+    _, held_out = split_records(read_records(args.chat_data, args.shards), args.eval_every)
     spec = spec_bench_answers(target, tokenizer, args.per_category, args.max_new_tokens, args.work)
     sets = {"held-out chat": held_out}
     for category in dict.fromkeys(r["category"] for r in spec):

@@ -19,19 +19,18 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from train_smollm2_scaling import split_records  # noqa: E402
-
-from hf_specdec.training.distill import read_distill_dataset  # noqa: E402
+from train_smollm2_scaling import add_shards_argument, read_records, split_records  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", help="the prompt file to write (JSONL)")
     p.add_argument("--data", default="data/smollm2-distill")
+    add_shards_argument(p)
     p.add_argument("--num-prompts", type=int, default=12)
     p.add_argument("--eval-every", type=int, default=64, help="as in train_smollm2_scaling.py")
     args = p.parse_args()
-    _, held_out = split_records(read_distill_dataset(args.data), args.eval_every)
+    _, held_out = split_records(read_records(args.data, args.shards), args.eval_every)
     with open(args.out, "w", encoding="utf-8") as fh:
         for i, record in enumerate(held_out[: args.num_prompts]):
             user_turns = [m for m in record["messages"] if m["role"] != "assistant"]

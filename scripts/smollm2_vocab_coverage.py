@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from train_smollm2_long import score  # noqa: E402
-from train_smollm2_scaling import split_records  # noqa: E402
+from train_smollm2_scaling import SHIPPED_SHARDS, read_records, split_records  # noqa: E402
 
 
 def loss_tokens(records, tokenizer) -> list[tuple[str, list[int]]]:
@@ -82,7 +82,9 @@ def main(argv=None):
     held_out, tally = {}, torch.zeros(target.config.vocab_size, dtype=torch.long)
     for name, every in (("chat", 64), ("long", 16)):
         folder = "data/smollm2-distill" + ("-long" if name == "long" else "")
-        train, evaluation = split_records(read_distill_dataset(folder), every)
+        shards = SHIPPED_SHARDS if name == "chat" else None
+        records = read_records(folder, shards) if shards else read_distill_dataset(folder)
+        train, evaluation = split_records(records, every)
         held_out[name] = loss_tokens(evaluation, tokenizer)
         for _, ids in loss_tokens(train, tokenizer):
             tally += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=tally.numel())

@@ -36,7 +36,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from train_smollm2_scaling import dump, prefix_for_tokens, split_records  # noqa: E402
+from train_smollm2_scaling import add_shards_argument, dump, prefix_for_tokens, read_records, split_records  # noqa: E402
 
 
 def score(drafter, target, features_dir, args) -> dict:
@@ -72,6 +72,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--long-data", default="data/smollm2-distill-long")
     p.add_argument("--chat-data", default="data/smollm2-distill")
+    add_shards_argument(p)
     p.add_argument("--drafter", default="src/hf_specdec/assets/smollm2-drafter")
     p.add_argument("--out", default="runs/smollm2-long")
     p.add_argument("--results", default="model_cards/results/smollm2-eagle3-long")
@@ -105,7 +106,7 @@ def main(argv=None):
 
     target, tokenizer = load_smollm2(dtype="bfloat16")
     target.eval()
-    chat_train, chat_eval = split_records(read_distill_dataset(args.chat_data), args.eval_every)
+    chat_train, chat_eval = split_records(read_records(args.chat_data, args.shards), args.eval_every)
     long_train, long_eval = split_records(read_distill_dataset(args.long_data), args.long_eval_every)
     replay = chat_train[: prefix_for_tokens(chat_train, args.replay_tokens)]
     cap = slice(args.max_records)

@@ -3,7 +3,8 @@
 
 1. data: ``data/smollm2-distill`` (``scripts/build_smollm2_distill.py``; committed, so nothing is regenerated). A
    fixed held-out set (records whose prompt hashes to 0 mod ``--eval-every``, about 1.5 %) is kept apart, the same for
-   every size and every later growth of the data; the training records are taken in shard order;
+   every size; the training records are taken in shard order. ``--shards N`` reads the first N shards (default 15,
+   those the committed curve and the shipped drafters were trained on): a grown data set leaves them as they were;
 2. features: the target runs once over the held-out set and once over the largest training prefix, and the hidden
    states the drafter reads are stored (``dump_features``, resumable shard by shard; not committed: rebuilt by this
    command; ``--dump-only`` stops here, the family script reads the same dumps). The target runs in bf16 by default
@@ -33,6 +34,25 @@ import sys
 
 import torch
 
+SHIPPED_SHARDS = 15  # the shards of data/smollm2-distill the shipped drafters and the committed curve were trained on
+
+
+def add_shards_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--shards",
+        type=int,
+        default=SHIPPED_SHARDS,
+        help=f"use the data set's first N shards (default {SHIPPED_SHARDS}: those the shipped drafters and the "
+        "committed results were trained on; the data set may hold more)",
+    )
+
+
+def read_records(data: str, shards: int) -> list[dict]:
+    """The records of the first ``shards`` shards of a self-distillation data set, in shard order."""
+    from hf_specdec.training.distill import read_distill_dataset
+
+    return read_distill_dataset(data, shards=range(shards))
+
 
 def split_records(records: list[dict], eval_every: int) -> tuple[list[dict], list[dict]]:
     """``(train, held_out)``: a record is held out when its user prompt hashes to 0 mod ``eval_every``."""
@@ -56,12 +76,11 @@ def prefix_for_tokens(records: list[dict], tokens: int) -> int:
     return len(records)
 
 
-def write_split(data: str, eval_every: int, out_dir: str) -> None:
+def write_split(data: str, shards: int, eval_every: int, out_dir: str) -> None:
     """The training and held-out records as two JSONL files (the records of the two feature dumps, in their order)."""
-    from hf_specdec.training.distill import read_distill_dataset
 
     os.makedirs(out_dir, exist_ok=True)
-    for name, records in zip(("train", "held-out"), split_records(read_distill_dataset(data), eval_every)):
+    for name, records in zip(("train", "held-out"), split_records(read_records(data, shards), eval_every)):
         with open(os.path.join(out_dir, f"{name}.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
         print(f"{out_dir}/{name}.jsonl: {len(records)} records")
@@ -81,6 +100,7 @@ def dump(target, tokenizer, records, config, out_dir, max_length):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="data/smollm2-distill")
+    add_shards_argument(p)
     p.add_argument("--out", default="runs/smollm2-scaling")
     p.add_argument("--results", default="model_cards/results/smollm2-eagle3-scaling")
     p.add_argument("--sizes", type=int, nargs="+", default=[150_000, 500_000, 1_500_000])
@@ -112,17 +132,16 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.write_split:
-        return write_split(args.data, args.eval_every, args.write_split)
+        return write_split(args.data, args.shards, args.eval_every, args.write_split)
 
     from hf_specdec.gguf_target import load_smollm2
     from hf_specdec.registry import default_drafter_spec
-    from hf_specdec.training.distill import read_distill_dataset
     from hf_specdec.training.recipes import train_drafter
     from hf_specdec.training.trainer import DrafterTrainingArguments
 
     target, tokenizer = load_smollm2(dtype=args.target_dtype)
     target.eval()
-    train_records, eval_records = split_records(read_distill_dataset(args.data), args.eval_every)
+    train_records, eval_records = split_records(read_records(args.data, args.shards), args.eval_every)
     sizes = sorted(args.sizes)
     largest = prefix_for_tokens(train_records, sizes[-1])
     spec = default_drafter_spec()  # EAGLE-3

@@ -153,6 +153,7 @@ def test_the_card_states_counts_sources_settings_and_the_command(tok, tmp_path, 
     assert f"| answer tokens | {index['answer_tokens']} " in card
     assert "| synthesised by the target (Magpie" in card and "| 4 |" in card
     assert "python make_it.py --num-shards 1" in card and "MiB" in card and "License" in card
+    assert "holds shards 0–0: `--num-shards 1` rebuilds exactly these" in card
 
 
 def test_training_reads_the_sharded_folder_and_names_a_bad_shard_line(tok, tmp_path, monkeypatch):

@@ -472,10 +472,19 @@ def dataset_card(index: dict, out_dir: str | os.PathLike | None = None) -> str:
         "```",
         "",
         "The command is resumable: rerun it after an interruption and it continues inside the unfinished shard; a "
-        "larger `--num-shards` extends the data set. Per-shard counts are in `index.json`.",
+        "larger `--num-shards` extends the data set. Per-shard counts are in `index.json`."
+        + _shards_held(index),
         "",
     ]
     return "\n".join(lines)
+
+
+def _shards_held(index: dict) -> str:
+    """The card's note of which shards this copy holds (it may be part of the way to the command's ``--num-shards``)."""
+    shards = sorted(int(s) for s in index.get("shards", {}))
+    if not shards:
+        return ""
+    return f" This copy holds shards {shards[0]}–{shards[-1]}: `--num-shards {len(shards)}` rebuilds exactly these."
 
 
 def _write_card(out_dir: str, index: dict) -> None:
