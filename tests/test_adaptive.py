@@ -456,14 +456,17 @@ def _generate_with(monkeypatch, controller, batch=1):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_copy_outcomes_are_what_lookup_passes_commit(monkeypatch, batch):
-    """Greedy: the outcome recorded for each lookup pass is exactly the tokens it committed per row (in a batch,
-    rows without a copy commit their one token)."""
+    """Greedy: the outcome recorded for each lookup pass is exactly how far it moved the call on (in a batch, from
+    the row furthest behind before the pass to the one furthest behind after it; rows without a copy commit their
+    one token)."""
     _, out = _generate_with(monkeypatch, _RecordingLookups, batch)
     lookup_committed = []
     for i in range(max(len(row) for row in out.accepted_lengths)):
         active = [b for b, row in enumerate(out.accepted_lengths) if len(row) > i]  # rows still generating
         if any(out.draft_lengths[b][i] > 0 for b in active):  # a plain step verifies nothing
-            lookup_committed.append(sum(int(out.accepted_lengths[b][i]) for b in active) / len(active))
+            starts = [sum(int(c) for c in out.accepted_lengths[b][:i]) for b in active]
+            ends = [s + int(out.accepted_lengths[b][i]) for s, b in zip(starts, active)]
+            lookup_committed.append(min(ends) - min(starts))
     assert out.timings["lookup_passes"] == len(lookup_committed) > 3 and max(lookup_committed) > 1
     assert _RecordingLookups.outcomes == pytest.approx(lookup_committed)
 

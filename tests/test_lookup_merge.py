@@ -43,9 +43,10 @@ def test_copy_outcomes_wait_for_their_text_then_count_what_a_lookup_pass_commits
     assert outcomes.resolve(seq, torch.tensor([6, 5, 4]), none) == []  # neither text is as long as its copy yet
     assert outcomes.resolve(seq, torch.tensor([6, 5, 5]), none) == []  # row 2's is, row 0's not yet
     seq[0, 6] = 9
-    # Row 0 repeats its whole copy (3 tokens and the target's next one: 4), row 2 the first token of its copy (then
-    # the target's own: 2), row 1 commits its one token: the pass commits 7 tokens over 3 rows.
-    assert outcomes.resolve(seq, torch.tensor([7, 5, 5]), none) == [pytest.approx(7 / 3)]
+    # Row 0 repeats its whole copy (3 tokens and the target's next one: 4, from 4 to 8), row 2 the first token of its
+    # copy (then the target's own: 2, from 3 to 5), row 1 commits its one token (from 4 to 5): the row furthest
+    # behind was at 3 and the shortest is now at 5, so the pass moves the call on by 2 (not the rows' mean, 7 / 3).
+    assert outcomes.resolve(seq, torch.tensor([7, 5, 5]), none) == [2.0]
     assert not outcomes.pending
 
 

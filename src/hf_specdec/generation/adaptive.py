@@ -71,7 +71,14 @@ from collections import deque
 
 import torch
 
-__all__ = ["DRAFT_LENGTH_MODES", "DraftLengthController", "DraftLengthMemory", "controller_for", "draft_length_memory"]
+__all__ = [
+    "DRAFT_LENGTH_MODES",
+    "DraftLengthController",
+    "DraftLengthMemory",
+    "batch_progress",
+    "controller_for",
+    "draft_length_memory",
+]
 
 DRAFT_LENGTH_MODES = ("adaptive", "fixed")
 
@@ -371,13 +378,18 @@ class DraftLengthController:
                         self.accepted[d] += 1.0
 
 
+def batch_progress(starts: list[int], committed: list[int]) -> int:
+    """How far a batched pass moved the call on: from the shortest row before the pass to the shortest after it
+    (a call runs until its last row is done)."""
+    return min(s + c for s, c in zip(starts, committed)) - min(starts)
+
+
 def _lagging_row(drafted: list[int], committed: list[int], ends: list[int]) -> tuple[list[int], list[int]]:
-    """A batch's pass as one row's ``([drafted], [committed])``: how far the shortest row got, from the shortest
-    row before the pass (what sets how long the call runs), drafted by the row that ends shortest (of those, the
-    one that committed most: it came from furthest behind)."""
+    """A batch's pass as one row's ``([drafted], [committed])``: its :func:`batch_progress`, drafted by the row that
+    ends shortest (of those, the one that committed most: it came from furthest behind)."""
     end = min(ends)
     j = max((i for i, e in enumerate(ends) if e == end), key=committed.__getitem__)
-    progress = end - min(e - c for e, c in zip(ends, committed))
+    progress = batch_progress([e - c for e, c in zip(ends, committed)], committed)
     return [drafted[j]], [min(progress, drafted[j] + 1)]
 
 

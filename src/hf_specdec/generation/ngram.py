@@ -22,6 +22,7 @@ from collections import deque
 import torch
 
 from ..types import Proposal
+from .adaptive import batch_progress
 
 __all__ = ["AGREE", "NGRAM_SIZES", "CopyOutcomes", "lookup_continuations", "lookup_proposal", "merge_lookup"]
 
@@ -156,7 +157,8 @@ class CopyOutcomes:
 
     A copy proposed when a row's text ends at ``p`` commits ``a + 1`` tokens in a lookup pass, ``a`` being how many
     of its tokens the row's text from ``p`` on repeats (then the target's own token); a row without a copy commits
-    its one token. Once the rows' text is known, the pass's outcome (tokens per row) follows from it alone: exactly
+    its one token. A batched pass is worth how far it moves the row furthest behind
+    (:func:`~hf_specdec.generation.adaptive.batch_progress`): a call runs until its last row is done. Once the rows' text is known, the pass's outcome (tokens per row) follows from it alone: exactly
     when decoding greedily, verified or not; when sampling, in expectation (a copied token is accepted with the
     target's probability of it, the chance that the sampled text has it). So the adaptive length learns what lookup
     passes are worth at every match, not only in the passes that verified one, and copies it declined still count
@@ -174,9 +176,10 @@ class CopyOutcomes:
     def add(self, copy: Proposal, lengths: torch.Tensor, active: torch.Tensor) -> None:
         """Keeps a pass's copies (``copy.lengths`` 0: a row without one) proposed at ``lengths``; ``active``: the
         rows still generating."""
-        counts, tokens = copy.lengths.tolist(), copy.tokens.tolist()
-        rows = [(b, end, tokens[b][:n]) for b, (end, n) in enumerate(zip(lengths.tolist(), counts)) if n]
-        self.pending.append(_PassCopies(rows, int(active.sum()) - len(rows)))
+        counts, tokens, ends = copy.lengths.tolist(), copy.tokens.tolist(), lengths.tolist()
+        rows = [(b, ends[b], tokens[b][:n]) for b, n in enumerate(counts) if n]
+        without = [ends[b] for b, (n, live) in enumerate(zip(counts, active.tolist())) if live and not n]
+        self.pending.append(_PassCopies(rows, without))
 
     def resolve(self, seq: torch.Tensor, lengths: torch.Tensor, finished: torch.Tensor) -> list[float]:
         """The outcomes, in tokens per row, of the kept passes whose copies' text is now known (as long as each
@@ -194,26 +197,29 @@ class CopyOutcomes:
 
 
 class _PassCopies:
-    """One pass's copies (``(row, where its text ended, the copy)``) and how many active rows had none."""
+    """One pass's copies (``(row, where its text ended, the copy)``) and where the text of the active rows without
+    one ended."""
 
-    def __init__(self, rows: list[tuple[int, int, list[int]]], without: int):
+    def __init__(self, rows: list[tuple[int, int, list[int]]], without: list[int]):
         self.rows, self.without = rows, without
 
     def known(self, ends: list[int], done: list[bool]) -> bool:
         return all(done[b] or ends[b] - start >= len(copy) for b, start, copy in self.rows)
 
     def outcome(self, seq: torch.Tensor, ends: list[int], done: list[bool], next_stop: dict[int, int]) -> float | None:
-        """Tokens per row the pass commits with the copies verified; ``None`` when no copy is scored (each lies
-        inside what an earlier copy would have committed, or its row finished where it began). ``next_stop`` is
-        moved past each scored copy's tokens."""
-        committed = []
+        """How far the pass moves the call on with the copies verified (:func:`batch_progress` over the rows with a
+        scored copy and those without one); ``None`` when no copy is scored (each lies inside what an earlier copy
+        would have committed, or its row finished where it began). ``next_stop`` is moved past each scored copy's
+        tokens."""
+        starts, committed = [], []
         for b, start, copy in self.rows:
             known = seq[b, start : ends[b]].tolist()
             if not known or start < next_stop.get(b, 0):
                 continue
             a = next((i for i, (x, y) in enumerate(zip(copy, known)) if x != y), min(len(copy), len(known)))
+            starts.append(start)
             committed.append(min(a + 1, len(known)) if done[b] else a + 1)
             next_stop[b] = start + committed[-1]
         if not committed:
             return None
-        return (sum(committed) + self.without) / (len(committed) + self.without)
+        return batch_progress(starts + self.without, committed + [1] * len(self.without))
