@@ -11,16 +11,26 @@ Usage::
     python scripts/smollm2_pass_cost.py
 
 Writes ``model_cards/results/smollm2-pass-cost.{json,md}``.
+
+``--layouts stock weight-first`` also times every ``nn.Linear`` computed as ``W @ x^T`` (a single row padded to two)
+instead of ``F.linear``'s ``x @ W^T``: the same product through another of the BLAS library's kernels. On this AMD
+CPU MKL's fp32 kernels for one to a few rows are slow, and which layout is faster depends on the rows; the table
+shows what a pass would cost with each (a diagnostic: the library's loop runs the target's own layers unchanged)::
+
+    python scripts/smollm2_pass_cost.py --dtypes float32 --layouts stock weight-first \
+        --results model_cards/results/smollm2-pass-cost-layouts
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import statistics
 import sys
 import time
+import types
 
 import torch
 
@@ -48,6 +58,42 @@ def time_widths(target, widths, context: int, calls: int) -> dict[int, float]:
     return out
 
 
+def _weight_first(self, x):
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    if n == 1:
+        rows = rows.repeat(2, 1)  # MKL's two-row kernel beats its one-row one here
+    y = torch.mm(self.weight, rows.t()).t()[:n]
+    if self.bias is not None:
+        y = y + self.bias
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+@contextlib.contextmanager
+def linear_layout(model, layout: str):
+    """Every plain ``nn.Linear`` of ``model`` computes in ``layout``: ``"stock"`` (``F.linear``) or
+    ``"weight-first"`` (``W @ x^T``)."""
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear] if layout == "weight-first" else []
+    for m in linears:
+        m.forward = types.MethodType(_weight_first, m)
+    try:
+        yield
+    finally:
+        for m in linears:
+            del m.forward
+
+
+@torch.no_grad()
+def layout_logit_difference(target, context: int, width: int) -> float:
+    """The largest difference between the two layouts' logits over a pass of ``width`` tokens (relative to the
+    logits' largest magnitude)."""
+    x = torch.randint(100, 20000, (1, context + width))
+    stock = target(x).logits
+    with linear_layout(target, "weight-first"):
+        other = target(x).logits
+    return float((stock - other).abs().max() / stock.abs().max())
+
+
 def markdown(result: dict) -> str:
     widths = result["widths"]
     lines = [
@@ -57,12 +103,21 @@ def markdown(result: dict) -> str:
         f"per width, {result['repeats']} interleaved repeats; cells: the median over repeats of w's time over the "
         "one-token step's in the same repeat [min–max]; the last column is the one-token step itself.",
         "",
-        "| dtype | threads | " + " | ".join(f"w = {w}" for w in widths[1:]) + " | one-token step |",
-        "|:---|---:|" + "---:|" * len(widths),
+        "| dtype | threads | layout | " + " | ".join(f"w = {w}" for w in widths[1:]) + " | one-token step |",
+        "|:---|---:|:---|" + "---:|" * len(widths),
     ]
     for row in result["rows"]:
         cells = [f"{r['median']:.2f}× [{r['min']:.2f}–{r['max']:.2f}]" for r in row["relative"]]
-        lines.append(f"| {row['dtype']} | {row['threads']} | " + " | ".join(cells) + f" | {row['step_ms']:.0f} ms |")
+        lines.append(
+            f"| {row['dtype']} | {row['threads']} | {row.get('layout', 'stock')} | "
+            + " | ".join(cells)
+            + f" | {row['step_ms']:.0f} ms |"
+        )
+    if "layout_logit_difference" in result:
+        lines += [
+            "",
+            f"Largest logit difference between the layouts (fp32, relative): {result['layout_logit_difference']:.1e}.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -72,6 +127,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 6, 11])
     p.add_argument("--context", type=int, default=400)
+    p.add_argument("--layouts", nargs="+", default=["stock"], choices=["stock", "weight-first"])
     p.add_argument("--calls", type=int, default=9)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--results", default="model_cards/results/smollm2-pass-cost")
@@ -82,16 +138,17 @@ def main(argv=None):
     from hf_specdec.gguf_target import load_smollm2
 
     targets = {dtype: load_smollm2(dtype=dtype)[0].eval() for dtype in args.dtypes}
-    samples = {(d, t): [] for d in args.dtypes for t in args.threads}
+    samples = {(d, t, lay): [] for d in args.dtypes for t in args.threads for lay in args.layouts}
     for _ in range(args.repeats):
-        for (dtype, threads), runs in samples.items():
+        for (dtype, threads, layout), runs in samples.items():
             torch.set_num_threads(threads)
-            runs.append(time_widths(targets[dtype], args.widths, args.context, args.calls))
+            with linear_layout(targets[dtype], layout):
+                runs.append(time_widths(targets[dtype], args.widths, args.context, args.calls))
     rows = []
-    for (dtype, threads), runs in samples.items():
+    for (dtype, threads, layout), runs in samples.items():
         ratios = {w: [r[w] / r[1] for r in runs] for w in args.widths[1:]}
         rows.append({
-            "dtype": dtype, "threads": threads,
+            "dtype": dtype, "threads": threads, "layout": layout,
             "step_ms": 1000 * statistics.median(r[1] for r in runs),
             "relative": [{"width": w, "median": statistics.median(v), "min": min(v), "max": max(v)}
                          for w, v in ratios.items()],
@@ -109,6 +166,8 @@ def main(argv=None):
         "widths": args.widths,
         "rows": rows,
     }
+    if "weight-first" in args.layouts and "float32" in targets:
+        result["layout_logit_difference"] = layout_logit_difference(targets["float32"], args.context, args.widths[-1])
     write_results(args.results, result, markdown(result))
 
 
