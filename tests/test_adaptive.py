@@ -169,7 +169,7 @@ def test_catch_up_is_measured_apart_and_counted_against_the_next_draft():
                     0.05 * slots, slots)  # fmt: skip
     assert ctrl.relative_cost(2) == pytest.approx(1.2, rel=1e-3)
     assert ctrl.catchup_cost(10) == pytest.approx(0.5, rel=1e-3)
-    assert ctrl.catchup_cost(400) == pytest.approx(5.0, rel=1e-3)  # never more than the dearest one measured
+    assert ctrl.catchup_cost(400) == pytest.approx(20.0, rel=1e-3)  # beyond the largest: at its rate per slot
     assert ctrl.best(pending_slots=0) == 2
     assert ctrl.best(pending_slots=100) == 0  # 5 steps of catch-up eat the gain of the next draft
 
@@ -223,6 +223,16 @@ def test_a_probe_waits_while_the_catch_up_would_cost_more_than_its_share_of_the_
     assert ctrl.choose(100, pending_slots=10) > 0  # 0.5 steps of catch-up: the waiting probe runs
     # A long call affords the same catch-up (5 of the 20 steps a probe may spend).
     assert _losing_drafter_with_a_dear_catch_up().choose(1000, pending_slots=100) > 0
+
+
+def test_a_catch_up_is_one_pass_within_the_measured_sizes_and_grows_beyond_them():
+    ctrl = DraftLengthController(2)
+    _feed(ctrl, 0, [0], 1.0)
+    for slots, seconds in ((8, 1.0), (64, 2.0)):  # a fixed cost and a little per slot
+        ctrl.update(2, torch.tensor([2]), torch.tensor([3]), torch.tensor([True]), 1.2 + seconds, False, seconds, slots)
+    assert ctrl.catchup_cost(32) == pytest.approx(2.0)  # median 0.078 per slot, but never dearer than the dearest
+    # A thousand-token prompt waiting for the drafter: not bounded by the small catch-ups measured so far.
+    assert ctrl.catchup_cost(1000) == pytest.approx(2.0 / 64 * 1000)
 
 
 def test_tree_controller_chooses_between_tree_and_plain():

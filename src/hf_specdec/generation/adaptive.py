@@ -191,11 +191,15 @@ class DraftLengthController:
 
     def catchup_cost(self, slots: int) -> float:
         """Time, in plain steps, the drafter needs to catch up on ``slots`` verified slots it has not seen (after
-        plain steps), from measured catch-ups (0 before any): the median per slot times ``slots``, but never more
-        than the dearest catch-up measured (it is one batched pass, not one per slot)."""
+        plain steps), from measured catch-ups (0 before any): within the measured sizes, the median per slot times
+        ``slots``, but never more than the dearest catch-up measured (it is one batched pass, not one per slot);
+        beyond the largest one measured (a waiting prompt), at that one's rate per slot."""
         step = self.step_time
         if not self.catchup or not slots or step is None:
             return 0.0
+        largest_slots, largest_seconds = max(self.catchup)
+        if slots > largest_slots:
+            return largest_seconds / largest_slots * slots / step
         per_slot = statistics.median(r / n for n, r in self.catchup)
         return min(per_slot * slots, max(r for _, r in self.catchup)) / step
 
