@@ -189,7 +189,9 @@ def test_drafts_that_pay_for_the_rows_mean_but_not_for_the_last_row_lose():
     def controller(with_ends: bool) -> DraftLengthController:
         ctrl = DraftLengthController(2, probe_every=1000)
         _feed(ctrl, 0, [0], 1.0)
-        for i in range(40):  # each pass one row accepts both drafts, the others none: 1.5 tokens per row, 1 for the call
+        for i in range(
+            40
+        ):  # each pass one row accepts both drafts, the others none: 1.5 tokens per row, 1 for the call
             committed = torch.ones(4, dtype=torch.long)
             committed[i % 4] = 3
             ends = 10 + i + committed if with_ends else None

@@ -472,8 +472,7 @@ def dataset_card(index: dict, out_dir: str | os.PathLike | None = None) -> str:
         "```",
         "",
         "The command is resumable: rerun it after an interruption and it continues inside the unfinished shard; a "
-        "larger `--num-shards` extends the data set. Per-shard counts are in `index.json`."
-        + _shards_held(index),
+        "larger `--num-shards` extends the data set. Per-shard counts are in `index.json`." + _shards_held(index),
         "",
     ]
     return "\n".join(lines)
