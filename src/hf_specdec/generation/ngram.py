@@ -158,10 +158,11 @@ class CopyOutcomes:
     A copy proposed when a row's text ends at ``p`` commits ``a + 1`` tokens in a lookup pass, ``a`` being how many
     of its tokens the row's text from ``p`` on repeats (then the target's own token); a row without a copy commits
     its one token. A batched pass is worth how far it moves the row furthest behind
-    (:func:`~hf_specdec.generation.adaptive.batch_progress`): a call runs until its last row is done. Once the rows' text is known, the pass's outcome (tokens per row) follows from it alone: exactly
-    when decoding greedily, verified or not; when sampling, in expectation (a copied token is accepted with the
-    target's probability of it, the chance that the sampled text has it). So the adaptive length learns what lookup
-    passes are worth at every match, not only in the passes that verified one, and copies it declined still count
+    (:func:`~hf_specdec.generation.adaptive.batch_progress`): a call runs until its last row is done. Once the rows'
+    text is known, the pass's outcome (tokens per row) follows from it alone: exactly when decoding greedily,
+    verified or not; when sampling, in expectation (a copied token is accepted with the target's probability of it,
+    the chance that the sampled text has it). So the adaptive length learns what lookup passes are worth at every
+    match, not only in the passes that verified one, and copies it declined still count
     (:meth:`DraftLengthController.record_copies`).
 
     The outcomes are those of passes that verify every copy: a copy proposed inside the tokens an earlier copy would
