@@ -59,6 +59,43 @@ def score(drafter, target, features_dir, args) -> dict:
     return out
 
 
+def fine_tune(target, tokenizer, args, out, train_dir, eval_dir, eval_steps, overrides=None):
+    """``args.drafter`` trained on the features in ``train_dir`` (scored on ``eval_dir`` every ``eval_steps``), a
+    fresh cosine schedule from ``args.lr``; resumes from a checkpoint in ``out``. Returns ``(drafter, record)``."""
+    from hf_specdec.training.recipes import train_drafter
+    from hf_specdec.training.trainer import DrafterTrainingArguments
+
+    targs = DrafterTrainingArguments(
+        output_dir=out, num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size, learning_rate=args.lr,
+        warmup_steps=0.03, save_steps=args.save_steps, eval_steps=eval_steps, logging_steps=20,
+        seed=args.seed, report_to="none", bf16=args.mixed_precision == "bf16",
+    )  # fmt: skip
+    resume = os.path.isdir(out) and any(name.startswith("checkpoint-") for name in os.listdir(out))
+    return train_drafter(
+        target, tokenizer, None, targs, drafter=args.drafter, features_dir=train_dir, eval_features_dir=eval_dir,
+        resume=resume, drafter_overrides=overrides,
+    )  # fmt: skip
+
+
+def write_fine_tune_results(args, argv, script: str, fields: dict, record: dict, before: dict, after: dict) -> None:
+    """``args.results``.json: ``fields``, the training settings and command, and the held-out scores before and
+    after."""
+    result = {
+        "target": "SmolLM2-135M-Instruct",
+        **fields,
+        "settings": {k: getattr(args, k) for k in ("epochs", "batch_size", "lr", "max_length", "mixed_precision")},
+        "command": f"python scripts/{script} " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "steps": record.get("steps"),
+        "wall_time_s": record.get("wall_time_s"),
+        "held_out_before": before,
+        "held_out_after": after,
+    }
+    os.makedirs(os.path.dirname(args.results) or ".", exist_ok=True)
+    with open(args.results + ".json", "w", encoding="utf-8") as fh:
+        json.dump(result, fh, indent=1)
+    print(json.dumps(result, indent=1))
+
+
 def vocab_coverage(drafter, dataset) -> float:
     """The share of the loss tokens of ``dataset`` that are in ``drafter``'s draft vocabulary (a token outside it
     can never be drafted)."""
@@ -101,8 +138,6 @@ def main(argv=None):
     from hf_specdec import AutoModelForDrafting
     from hf_specdec.gguf_target import load_smollm2
     from hf_specdec.training.distill import read_distill_dataset
-    from hf_specdec.training.recipes import train_drafter
-    from hf_specdec.training.trainer import DrafterTrainingArguments
 
     target, tokenizer = load_smollm2(dtype="bfloat16")
     target.eval()
@@ -122,21 +157,13 @@ def main(argv=None):
     out = os.path.join(
         args.out, "drafter" if args.draft_vocab_size is None else f"drafter-vocab{args.draft_vocab_size}"
     )
-    targs = DrafterTrainingArguments(
-        output_dir=out, num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size, learning_rate=args.lr,
-        warmup_steps=0.03, save_steps=args.save_steps, eval_steps=args.save_steps * 4, logging_steps=20,
-        seed=args.seed, report_to="none", bf16=args.mixed_precision == "bf16",
-    )  # fmt: skip
-    resume = os.path.isdir(out) and any(name.startswith("checkpoint-") for name in os.listdir(out))
-    drafter, record = train_drafter(
-        target, tokenizer, None, targs, drafter=args.drafter, features_dir=dirs["train"],
-        eval_features_dir=dirs["eval-long"], resume=resume,
-        drafter_overrides=None if args.draft_vocab_size is None else {"draft_vocab_size": args.draft_vocab_size},
-    )  # fmt: skip
+    overrides = None if args.draft_vocab_size is None else {"draft_vocab_size": args.draft_vocab_size}
+    drafter, record = fine_tune(
+        target, tokenizer, args, out, dirs["train"], dirs["eval-long"], args.save_steps * 4, overrides
+    )
     after = {name: score(drafter, target, dirs[f"eval-{name}"], args) for name in ("chat", "long")}
     print(f"after: {after}")
-    result = {
-        "target": "SmolLM2-135M-Instruct",
+    fields = {
         "drafter": "EAGLE-3, fine-tuned from " + args.drafter,
         "data": {"long": args.long_data, "chat_replay": args.chat_data},
         "training_records": {"long": len(long_train), "chat_replay": len(replay)},
@@ -145,18 +172,9 @@ def main(argv=None):
             "chat_replay": sum(r["answer_tokens"] for r in replay),
         },
         "held_out_records": {"chat": len(chat_eval), "long": len(long_eval)},
-        "settings": {k: getattr(args, k) for k in ("epochs", "batch_size", "lr", "max_length", "mixed_precision")},
         "draft_vocab_size": {"before": start.config.draft_vocab_size, "after": drafter.config.draft_vocab_size},
-        "command": "python scripts/train_smollm2_long.py " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "steps": record.get("steps"),
-        "wall_time_s": record.get("wall_time_s"),
-        "held_out_before": before,
-        "held_out_after": after,
     }
-    os.makedirs(os.path.dirname(args.results) or ".", exist_ok=True)
-    with open(args.results + ".json", "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=1)
-    print(json.dumps(result, indent=1))
+    write_fine_tune_results(args, argv, "train_smollm2_long.py", fields, record, before, after)
 
 
 if __name__ == "__main__":

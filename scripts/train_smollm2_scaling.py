@@ -66,6 +66,23 @@ def split_records(records: list[dict], eval_every: int) -> tuple[list[dict], lis
     return train, [r for r in records if held_out(r)]
 
 
+def training_and_held_out(data: str, shards: int, eval_every: int, from_shard: int = 0):
+    """``(train, held_out)`` of the first ``shards`` shards; the training records only of shards ``from_shard`` on
+    (a drafter trained on the first shards continues on those added since), the held-out ones of every shard."""
+    train, held_out = split_records(read_records(data, shards), eval_every)
+    if from_shard:
+        train, _ = split_records(read_distill_range(data, from_shard, shards), eval_every)
+    return train, held_out
+
+
+def read_distill_range(data: str, first: int, end: int) -> list[dict]:
+    from hf_specdec.training.distill import read_distill_dataset
+
+    if not 0 <= first < end:
+        raise SystemExit(f"--from-shard {first} must lie in [0, --shards {end}).")
+    return read_distill_dataset(data, shards=range(first, end))
+
+
 def prefix_for_tokens(records: list[dict], tokens: int) -> int:
     """How many leading records hold ``tokens`` answer tokens."""
     total = 0
@@ -101,6 +118,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="data/smollm2-distill")
     add_shards_argument(p)
+    p.add_argument(
+        "--from-shard",
+        type=int,
+        default=0,
+        help="train only on the records of shards FROM_SHARD.. --shards-1 (the held-out set still spans every shard "
+        "read): the dump a trained drafter continues on (hf-specdec train --drafter) when the data set has grown",
+    )
     p.add_argument("--out", default="runs/smollm2-scaling")
     p.add_argument("--results", default="model_cards/results/smollm2-eagle3-scaling")
     p.add_argument("--sizes", type=int, nargs="+", default=[150_000, 500_000, 1_500_000])
@@ -141,7 +165,7 @@ def main(argv=None):
 
     target, tokenizer = load_smollm2(dtype=args.target_dtype)
     target.eval()
-    train_records, eval_records = split_records(read_records(args.data, args.shards), args.eval_every)
+    train_records, eval_records = training_and_held_out(args.data, args.shards, args.eval_every, args.from_shard)
     sizes = sorted(args.sizes)
     largest = prefix_for_tokens(train_records, sizes[-1])
     spec = default_drafter_spec()  # EAGLE-3

@@ -333,7 +333,7 @@ def _lookup_pass(ctrl, seconds):
 
 
 def test_lookup_is_taken_instead_of_plain_steps_only_while_it_pays():
-    ctrl = DraftLengthController(3, probe_every=5)
+    ctrl = DraftLengthController(3, probe_every=5, probe_share=1.0)  # a budget that never binds (see below)
     assert not ctrl.use_lookup()  # a plain step first: lookups are measured against it
     _feed(ctrl, 0, [0], 1.0)  # plain step: 1 token per second
     assert ctrl.use_lookup()  # lookup not measured yet: try it
@@ -635,3 +635,40 @@ def test_the_waiting_prompt_is_caught_up_with_the_plain_steps_at_the_first_draft
     fresh = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=40, do_sample=False,
                             eos_token_id=None, lookup_tokens=0)  # fmt: skip
     assert torch.equal(fresh, ref) and seen[0] == ids.shape[1]
+
+
+def _losing_run(probe_share: float, passes: int = 600) -> DraftLengthController:
+    """Passes where drafting never pays (every draft rejected; a pass over k drafts costs 1.5 + 0.1 k plain steps of
+    1 s), probed every few passes, and prompt-lookup copies that commit one token in 1.5 s at every pass."""
+    ctrl = DraftLengthController(3, probe_every=2, max_probe_gap=4, probe_share=probe_share)
+    for _ in range(passes):
+        k = ctrl.choose(100)
+        lookup = ctrl.use_lookup(ctrl.rate(k) or 1.0) if ctrl.step_time is not None else False
+        if lookup:
+            ctrl.record_copies([1.0])
+            ctrl.update(0, torch.tensor([4]), torch.tensor([1]), torch.tensor([True]), 1.5, lookup=True)
+        else:
+            _feed(ctrl, k, [0], 1.0 if k == 0 else 1.5 + 0.1 * k)
+    return ctrl
+
+
+def test_probes_lose_at_most_their_share_of_the_time():
+    ctrl = _losing_run(probe_share=0.02)
+    plain_seconds = ctrl.passes * 1.0  # every pass committed one token, as a plain step does in 1 s
+    first_pass = 0.8  # nothing is measured before the first pass, which drafts K_max: not a probe
+    assert ctrl.measured_seconds - plain_seconds == pytest.approx(ctrl.probe_loss_seconds + first_pass)
+    assert ctrl.probe_loss_seconds <= 0.02 * ctrl.measured_seconds + 0.8  # the share, plus the last probe's loss
+    # Control: without the budget the same probes lose several times that share.
+    free = _losing_run(probe_share=1.0)
+    assert free.probe_loss_seconds > 0.05 * free.measured_seconds
+
+
+def test_a_probe_that_pays_adds_to_the_budget():
+    ctrl = DraftLengthController(3, probe_every=2, max_probe_gap=2, probe_share=0.02)
+    _feed(ctrl, 0, [0], 1.0)
+    ctrl.probe_loss_seconds = 0.5  # earlier probes lost more than 2 % of the 1 s measured: no probe now
+    assert ctrl.choose(100) == 0 and not ctrl._probing
+    ctrl._probing = True  # a draft probe that commits 4 tokens in 1.5 s gains 2.5 s over plain steps
+    _feed(ctrl, 3, [3], 1.5)
+    assert ctrl.probe_loss_seconds == pytest.approx(0.5 - 2.5)
+    assert ctrl._within_probe_budget()

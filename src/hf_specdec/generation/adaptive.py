@@ -38,7 +38,11 @@ large batch on a compute-bound device.
   ``probe_every`` as soon as the best choice changes. A probe that drafts after plain steps first pays for the
   drafter's catch-up; it waits while that would cost more than ``probe_share`` of the plain steps left in the call
   (a waiting prompt of a thousand tokens at batch 4 costs about five steps, more than a short call's probe can win
-  back), and is taken in a later call where it is cheap.
+  back), and is taken in a later call where it is cheap. And probes have a budget: each one's loss (its time over
+  what plain steps take to commit what it committed; a probe that pays is a gain) is summed, and no probe, of a draft
+  length or of prompt lookup, runs while the sum is above ``probe_share`` of all the time measured. Where drafting
+  does not pay (a batch of 4 on a CPU, where a lookup probe costs 2.4–4.9 plain steps) exploring then costs at most
+  that share and one probe, whatever the estimates' noise does to the gaps between probes.
 * The estimates are kept per drafter, target, device, batch size, decoding mode and tree policy
   (:class:`DraftLengthMemory`, outside the drafter object), so later ``generate`` calls start from what earlier
   ones learnt.
@@ -98,8 +102,10 @@ class DraftLengthController:
             (0.05: 5 % more), so that measurement noise does not make the loop draft where drafting breaks even.
         probe_every: passes before the first probe of a neighbouring draft length (and the gap after a change).
         max_probe_gap: the longest gap between two probes.
-        probe_share: the most the drafter's catch-up before a probe may cost, as a share of the plain steps left
-            in the call (0.02: 2 %); a dearer probe waits.
+        probe_share: the most probes may cost (0.02: 2 %): a probe waits while the drafter's catch-up before it
+            would cost more than this share of the plain steps left in the call, and while the probes so far
+            (prompt-lookup re-measures too) have lost more than this share of all the time measured, each one's
+            loss being its time over what plain steps take to commit what it committed.
     """
 
     def __init__(
@@ -137,6 +143,9 @@ class DraftLengthController:
         self.passes = 0
         self._probe_side = 1
         self._probes = 0
+        self._probing = False  # the pass being planned explores (a probe or a lookup re-measure)
+        self.measured_seconds = 0.0  # every recorded pass, catch-ups included
+        self.probe_loss_seconds = 0.0  # what probes cost over plain steps committing the same (negative: a gain)
         self.last_choice: int | None = None
         self.copy_outcomes: deque = deque(maxlen=copy_window)  # per row, what recent lookup passes commit(ted)
         self.lookup_times: deque = deque(maxlen=window)  # lookup-only pass times in seconds
@@ -244,6 +253,7 @@ class DraftLengthController:
         """The draft length of the next pass, at most ``limit`` (the tokens left before the length limit);
         ``pending_slots``: verified slots the drafter has not seen yet (it catches up before drafting)."""
         steps_left, limit = limit, min(limit, self.k_max)
+        self._probing = False
         if limit <= 0:
             return 0
         if self.tree and limit < self.k_max:
@@ -261,13 +271,20 @@ class DraftLengthController:
                 self._probe_gap = min(2 * self._probe_gap, self.max_probe_gap)
                 self._next_probe = n + self._probe_gap
                 choice = self._probe(choice, limit)
+                self._probing = True
         self.last_choice = choice
         return choice
 
     def _probe_affordable(self, choice: int, steps_left: int, pending_slots: int) -> bool:
-        """Whether a probe may run now: one that drafts after plain steps (``choice`` 0) must not spend more than
-        ``probe_share`` of the ``steps_left`` plain steps left in the call on the drafter's catch-up."""
-        return choice > 0 or self.catchup_cost(pending_slots) <= self.probe_share * steps_left
+        """Whether a probe may run now: the probes so far are within their budget, and one that drafts after plain
+        steps (``choice`` 0) does not spend more than ``probe_share`` of the ``steps_left`` plain steps left in the
+        call on the drafter's catch-up."""
+        catchup_ok = choice > 0 or self.catchup_cost(pending_slots) <= self.probe_share * steps_left
+        return catchup_ok and self._within_probe_budget()
+
+    def _within_probe_budget(self) -> bool:
+        """Whether what probes have lost so far is at most ``probe_share`` of all the time measured."""
+        return self.probe_loss_seconds <= self.probe_share * self.measured_seconds
 
     def _probe(self, choice: int, limit: int) -> int:
         """A probe: while drafting wins, every other probe is a plain step (it re-measures the anchor every cost is
@@ -297,15 +314,15 @@ class DraftLengthController:
             return False  # a plain step first: lookups are measured against it
         self._lookup_matches += 1
         rate = self.lookup_rate()
-        if rate is None:
-            return True
-        if rate > chosen_rate * (1.0 + self.margin):
+        if rate is not None and rate > chosen_rate * (1.0 + self.margin):
             self._lookup_gap = self.probe_every
             self._lookup_next = self._lookup_matches + self.probe_every
             return True
-        if self._lookup_matches >= self._lookup_next:
-            self._lookup_gap = min(2 * self._lookup_gap, self.max_probe_gap)
-            self._lookup_next = self._lookup_matches + self._lookup_gap
+        if rate is None or (self._lookup_matches >= self._lookup_next and self._within_probe_budget()):
+            if rate is not None:
+                self._lookup_gap = min(2 * self._lookup_gap, self.max_probe_gap)
+                self._lookup_next = self._lookup_matches + self._lookup_gap
+            self._probing = True
             return True
         return False
 
@@ -348,6 +365,7 @@ class DraftLengthController:
         so a draft length's cost is its own). ``ends``: the rows' lengths after the pass; with several rows, the
         pass counts as the progress of the row furthest behind (:func:`_lagging_row`)."""
         self.passes += 1
+        self._charge_probe(seconds, committed, active, ends)
         seconds = max(seconds - catchup_seconds, 1e-9)
         if lookup:  # what the copies commit is recorded apart, for every match (record_copies)
             self.lookup_times.append(seconds)
@@ -362,6 +380,21 @@ class DraftLengthController:
         if ends is not None and len(committed_rows) > 1:
             drafted_rows, committed_rows = _lagging_row(drafted_rows, committed_rows, ends.cpu()[act].tolist())
         self._record_acceptance(drafted_rows, committed_rows)
+
+    def _charge_probe(self, seconds: float, committed: torch.Tensor, active: torch.Tensor, ends) -> None:
+        """Adds the pass's time (catch-up included) to the time measured and, when it explored, what it cost over
+        the plain steps that would have committed what it did (the call's progress: the row furthest behind)."""
+        self.measured_seconds += seconds
+        step, probing, self._probing = self.step_time, self._probing, False
+        act = active.bool().cpu()
+        if not probing or step is None or not bool(act.any()):
+            return
+        done = committed.cpu()[act].tolist()
+        if ends is not None and len(done) > 1:
+            progress = batch_progress([e - c for e, c in zip(ends.cpu()[act].tolist(), done)], done)
+        else:
+            progress = min(done)
+        self.probe_loss_seconds += seconds - progress * step
 
     def _record_acceptance(self, drafted: list[int], committed: list[int]) -> None:
         if self.tree:
