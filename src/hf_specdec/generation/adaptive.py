@@ -365,7 +365,8 @@ class DraftLengthController:
         so a draft length's cost is its own). ``ends``: the rows' lengths after the pass; with several rows, the
         pass counts as the progress of the row furthest behind (:func:`_lagging_row`)."""
         self.passes += 1
-        self._charge_probe(seconds, committed, active, ends)
+        act = active.bool().cpu()
+        self._charge_probe(seconds, committed, act, ends)
         seconds = max(seconds - catchup_seconds, 1e-9)
         if lookup:  # what the copies commit is recorded apart, for every match (record_copies)
             self.lookup_times.append(seconds)
@@ -373,7 +374,6 @@ class DraftLengthController:
         self.times.setdefault(k, deque(maxlen=self.window)).append(seconds)
         if catchup_slots:
             self.catchup.append((catchup_slots, catchup_seconds))
-        act = active.bool().cpu()
         if k <= 0 or not bool(act.any()):
             return
         drafted_rows, committed_rows = drafted.cpu()[act].tolist(), committed.cpu()[act].tolist()
@@ -381,12 +381,11 @@ class DraftLengthController:
             drafted_rows, committed_rows = _lagging_row(drafted_rows, committed_rows, ends.cpu()[act].tolist())
         self._record_acceptance(drafted_rows, committed_rows)
 
-    def _charge_probe(self, seconds: float, committed: torch.Tensor, active: torch.Tensor, ends) -> None:
+    def _charge_probe(self, seconds: float, committed: torch.Tensor, act: torch.Tensor, ends) -> None:
         """Adds the pass's time (catch-up included) to the time measured and, when it explored, what it cost over
         the plain steps that would have committed what it did (the call's progress: the row furthest behind)."""
         self.measured_seconds += seconds
         step, probing, self._probing = self.step_time, self._probing, False
-        act = active.bool().cpu()
         if not probing or step is None or not bool(act.any()):
             return
         done = committed.cpu()[act].tolist()
