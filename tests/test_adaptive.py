@@ -351,6 +351,41 @@ def test_lookup_is_taken_instead_of_plain_steps_only_while_it_pays():
     assert not any(ctrl.use_lookup() for _ in range(3))
 
 
+def test_each_call_learns_what_copies_commit_from_its_own_text():
+    """A passage one prompt quoted (copies committing 11 tokens) must not carry copies through the next prompt's
+    text, where they fail: a call starts from the earlier calls' estimate, weighed as ``copy_prior`` matches, and
+    its own matches take over."""
+    ctrl = DraftLengthController(3, copy_prior=4.0)
+    _feed(ctrl, 0, [0], 1.0)
+    _lookup_pass(ctrl, 2.0)  # a lookup pass costs two plain steps
+    ctrl.record_copies([1] * 24 + [11] * 8)  # the first call: failing copies, then a quoted passage
+    assert ctrl.lookup_tokens == 3.5 and ctrl.use_lookup()
+    ctrl.begin_call()
+    assert ctrl.lookup_tokens == 3.5 and ctrl.use_lookup()  # nothing known of the new text yet
+    ctrl.record_copies([1] * 4)  # its first four matches fail
+    assert ctrl.lookup_tokens == pytest.approx(2.25)
+    ctrl.record_copies([1] * 4)
+    assert ctrl.lookup_tokens == pytest.approx(1.83, abs=0.01) and not ctrl.use_lookup()
+    # The control: one window across calls still averages in the first call's passage, and keeps copying.
+    control = DraftLengthController(3)
+    _feed(control, 0, [0], 1.0)
+    _lookup_pass(control, 2.0)
+    control.record_copies([1] * 24 + [11] * 8 + [1] * 8)
+    assert control.lookup_tokens == 3.5 and control.use_lookup()
+
+
+def test_every_generate_call_begins_a_call_of_its_controller():
+    target = make_target("llama")
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=2)).eval()
+    ids = torch.randint(3, target.config.vocab_size, (1, 6))
+    ctrl = controller_for(drafter, target, 2, None, 1, False, drafter.device)
+    calls = []
+    ctrl.begin_call = lambda: calls.append(1)
+    for _ in range(2):
+        target.generate(ids, assistant_model=drafter, max_new_tokens=4, do_sample=False, eos_token_id=None)
+    assert calls == [1, 1]
+
+
 class _PlainThenLookup(DraftLengthController):
     """Always asks for a plain step and always takes a lookup copy when there is one."""
 

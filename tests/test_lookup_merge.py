@@ -35,19 +35,59 @@ def test_lookup_falls_back_to_shorter_ngrams_and_ignores_padding():
 def test_copy_outcomes_wait_for_their_text_then_count_what_a_lookup_pass_commits():
     outcomes = CopyOutcomes()
     everyone = torch.ones(3, dtype=torch.bool)
-    # Rows 0 and 1 end at 4, row 2 at 3; row 1 has no copy.
+    # Row 0 ends at 4, row 1 at 6 (it has no copy), row 2 at 3.
     copies = Proposal(tokens=torch.tensor([[7, 8, 9], [0, 0, 0], [5, 5, 0]]), lengths=torch.tensor([3, 0, 2]))
-    outcomes.add(copies, torch.tensor([4, 4, 3]), everyone)
-    seq = torch.tensor([[1, 2, 3, 4, 7, 8, 0, 0, 0], [1, 2, 3, 4, 7, 0, 0, 0, 0], [1, 2, 3, 5, 6, 0, 0, 0, 0]])
+    outcomes.add(copies, torch.tensor([4, 6, 3]), everyone)
+    seq = torch.tensor([[1, 2, 3, 4, 7, 8, 0, 0, 0], [1, 2, 3, 4, 7, 6, 6, 0, 0], [1, 2, 3, 5, 6, 0, 0, 0, 0]])
     none = ~everyone
-    assert outcomes.resolve(seq, torch.tensor([6, 5, 4]), none) == []  # neither text is as long as its copy yet
-    assert outcomes.resolve(seq, torch.tensor([6, 5, 5]), none) == []  # row 2's is, row 0's not yet
-    seq[0, 6] = 9
-    # Row 0 repeats its whole copy (3 tokens and the target's next one: 4, from 4 to 8), row 2 the first token of its
-    # copy (then the target's own: 2, from 3 to 5), row 1 commits its one token (from 4 to 5): the row furthest
-    # behind was at 3 and the shortest is now at 5, so the pass moves the call on by 2 (not the rows' mean, 7 / 3).
-    assert outcomes.resolve(seq, torch.tensor([7, 5, 5]), none) == [2.0]
+    # Row 2, the row furthest behind, has repeated its copy's first token so far: the pass could still move the
+    # call on by 2 or by 3 (up to row 1, which commits its one token, to 7).
+    assert outcomes.resolve(seq, torch.tensor([6, 7, 4]), none) == []
+    # Row 2's text departs from its copy at the second token: that pass commits 2 tokens there (from 3 to 5), row 0
+    # at least 3 (from 4 to 7, still repeating its copy), row 1 its one (from 6 to 7): the row furthest behind was at
+    # 3 and the shortest would now be at 5, so the pass moves the call on by 2 (not the rows' mean), whatever row 0's
+    # copy goes on to repeat.
+    assert outcomes.resolve(seq, torch.tensor([6, 7, 5]), none) == [2.0]
     assert not outcomes.pending
+
+
+def test_a_copy_the_text_departs_from_is_scored_at_once_not_when_its_text_is_as_long():
+    """A ten-token copy rejected at its first token settles one token later: the estimate follows failing copies
+    pass by pass (scored only once ten tokens had followed, a run of them left it on earlier copies' outcomes)."""
+    outcomes = CopyOutcomes()
+    seq = torch.tensor([[1, 2, 3, 4] + [0] * 12])
+    one = torch.ones(1, dtype=torch.bool)
+    outcomes.add(
+        Proposal(tokens=torch.tensor([list(range(5, 15))]), lengths=torch.tensor([10])), torch.tensor([4]), one
+    )
+    seq[0, 4] = 5  # the copy's first token holds
+    assert outcomes.resolve(seq, torch.tensor([5]), ~one) == []
+    seq[0, 5] = 9  # its second does not: a lookup pass would have committed 5 and the target's 9
+    assert outcomes.resolve(seq, torch.tensor([6]), ~one) == [2.0]
+    assert not outcomes.pending
+
+
+def test_a_copy_still_repeated_in_a_row_ahead_does_not_hold_back_the_pass_nor_count_twice():
+    outcomes = CopyOutcomes()
+    both = torch.ones(2, dtype=torch.bool)
+    seq = torch.tensor([[1, 2, 3, 4, 7, 8, 9, 10, 11, 0], [1, 2, 3, 4, 6, 2, 0, 0, 0, 0]])
+    # Both rows end at 4: row 0 copies 7 8 9 10 (its text repeats all of it), row 1 copies 5 (its text has 6).
+    outcomes.add(Proposal(tokens=torch.tensor([[7, 8, 9, 10], [5, 0, 0, 0]]), lengths=torch.tensor([4, 1])),
+                 torch.tensor([4, 4]), both)  # fmt: skip
+    # A token later row 1 settles the pass at 1 token, whatever row 0's copy goes on to repeat.
+    assert outcomes.resolve(seq, torch.tensor([5, 5]), ~both) == [1.0]
+    # The next pass's copy in row 0 lies inside the copy the text still repeats: only row 1's copy is scored.
+    outcomes.add(Proposal(tokens=torch.tensor([[8, 9, 10, 11], [3, 0, 0, 0]]), lengths=torch.tensor([4, 1])),
+                 torch.tensor([5, 5]), both)  # fmt: skip
+    assert outcomes.resolve(seq, torch.tensor([6, 6]), ~both) == [1.0]
+    assert outcomes.stops == {0: (4, [7, 8, 9, 10]), 1: 6}
+    # A pass whose only copy lies inside row 0's is worth the one token of row 1, which has none; and once the text
+    # settles row 0's copy (4 tokens and the target's own), its next copies are scored after it.
+    outcomes.add(
+        Proposal(tokens=torch.tensor([[9, 9], [0, 0]]), lengths=torch.tensor([2, 0])), torch.tensor([6, 6]), both
+    )
+    assert outcomes.resolve(seq, torch.tensor([9, 7]), ~both) == [1.0]
+    assert outcomes.stops[0] == 9 and not outcomes.pending
 
 
 def test_copy_outcomes_of_finished_rows_count_what_they_committed():

@@ -60,6 +60,9 @@ every match, verified or not (:class:`hf_specdec.generation.ngram.CopyOutcomes` 
 once it is known, as a pass that verified every copy would have committed it; in a batch, rows without a copy count
 their one token), so a passage that turns repetitive is noticed at its first matches; only the cost of a lookup
 pass needs lookup passes, and it is re-measured at gaps that start at ``probe_every`` matches while copies lose.
+What copies commit depends on the text (a passage quoted in one prompt says nothing about the next), so each call
+learns it again from its own matches, starting from the earlier calls' estimate weighed as ``copy_prior`` matches;
+what a lookup pass costs is the machine's, and carries over.
 
 The choice never changes *what* is generated: greedy output stays identical to plain decoding, and sampling stays
 lossless. Because the choice depends on wall-clock measurements, a sampled output for a fixed seed is not
@@ -96,6 +99,9 @@ class DraftLengthController:
         decay: forgetting factor per pass for the acceptance counts and tokens-per-pass of trees.
         copy_window: recent passes with a copy whose outcome (tokens per row a lookup pass commits there) is
             averaged.
+        copy_prior: how many of a call's own copy outcomes the estimate of earlier calls weighs as (what a copy
+            commits depends on the text: a passage quoted in one prompt says little about the next one, so a call
+            starts from earlier calls' estimate and its own outcomes take over after a few matches).
         window: recent pass times kept per draft length (and of plain steps); a length's cost is the median of its
             times over the median of the plain steps'.
         margin: how much more a draft must be expected to commit per second than a plain step before it is taken
@@ -114,6 +120,7 @@ class DraftLengthController:
         tree: bool = False,
         decay: float = 0.97,
         copy_window: int = 32,
+        copy_prior: float = 4.0,
         window: int = 8,
         margin: float = 0.05,
         probe_every: int = 12,
@@ -147,7 +154,9 @@ class DraftLengthController:
         self.measured_seconds = 0.0  # every recorded pass, catch-ups included
         self.probe_loss_seconds = 0.0  # what probes cost over plain steps committing the same (negative: a gain)
         self.last_choice: int | None = None
-        self.copy_outcomes: deque = deque(maxlen=copy_window)  # per row, what recent lookup passes commit(ted)
+        self.copy_outcomes: deque = deque(maxlen=copy_window)  # per row, what this call's recent lookup passes commit
+        self.copy_prior = float(copy_prior)
+        self._earlier_copies: float | None = None  # earlier calls' estimate of what a lookup pass commits
         self.lookup_times: deque = deque(maxlen=window)  # lookup-only pass times in seconds
         self._lookup_matches = 0
         self._lookup_gap = self.probe_every
@@ -328,9 +337,17 @@ class DraftLengthController:
 
     @property
     def lookup_tokens(self) -> float | None:
-        """Tokens per row a lookup pass commits: the mean over recent passes with a copy, verified or not (``None``
-        before any)."""
-        return statistics.fmean(self.copy_outcomes) if self.copy_outcomes else None
+        """Tokens per row a lookup pass commits: the mean over this call's recent passes with a copy, verified or
+        not, with earlier calls' estimate counted as ``copy_prior`` of them (``None`` before any)."""
+        n, prior = len(self.copy_outcomes), self._earlier_copies
+        if prior is None:
+            return statistics.fmean(self.copy_outcomes) if n else None
+        return (sum(self.copy_outcomes) + self.copy_prior * prior) / (n + self.copy_prior)
+
+    def begin_call(self) -> None:
+        """A new ``generate`` call: what copies commit is learnt again from its text, from the estimate so far."""
+        self._earlier_copies = self.lookup_tokens
+        self.copy_outcomes.clear()
 
     def record_copies(self, outcomes: list[float]) -> None:
         """Records what lookup passes committed or would have committed, in tokens per row

@@ -710,6 +710,7 @@ class SpeculativeDecoder:
         if options.draft_length == "adaptive":
             tree_key, k = options.controller_key()
             self.controller = controller_for(drafter, model, k, tree_key, self.bsz, options.do_sample, self.work)
+            self.controller.begin_call()
         self.copy_outcomes = CopyOutcomes()  # the rows' lookup copies, scored once their text is known
         self.plain_steps = 0
         self.pending: list[DraftInputs] = []  # verified slots (and the prompt) not yet shown to the drafter

@@ -167,12 +167,16 @@ class CopyOutcomes:
 
     The outcomes are those of passes that verify every copy: a copy proposed inside the tokens an earlier copy would
     have committed is not scored (after plain steps through a repeated run, the run counts once, at its start, not
-    again one token shorter at each step). Passes are scored in order, once all their copies' text is known.
+    again one token shorter at each step). Passes are scored in order, each as soon as all its copies' outcomes are
+    settled: a copy the text departs from at its first token is scored one token later, not once the text is as long
+    as the copy (scored late, a run of failing copies would leave the estimate on what copies committed before).
     """
 
     def __init__(self):
         self.pending: deque[_PassCopies] = deque()
-        self.next_stop: dict[int, int] = {}  # row -> where a pass that verified every copy would have stopped next
+        # row -> where a pass that verified every copy would have stopped next, or (start, copy) while the text still
+        # repeats the copy scored last (every later copy of the row lies inside it)
+        self.stops: dict[int, int | tuple[int, list[int]]] = {}
 
     def add(self, copy: Proposal, lengths: torch.Tensor, active: torch.Tensor) -> None:
         """Keeps a pass's copies (``copy.lengths`` 0: a row without one) proposed at ``lengths``; ``active``: the
@@ -183,18 +187,43 @@ class CopyOutcomes:
         self.pending.append(_PassCopies(rows, without))
 
     def resolve(self, seq: torch.Tensor, lengths: torch.Tensor, finished: torch.Tensor) -> list[float]:
-        """The outcomes, in tokens per row, of the kept passes whose copies' text is now known (as long as each
-        copy, or the row has finished), in the order of the passes."""
+        """The outcomes, in tokens per row, of the kept passes whose outcome the text now settles, in the order of
+        the passes."""
         if not self.pending:
             return []  # nothing to score: no host-device copy of the lengths
         ends, done = lengths.tolist(), finished.tolist()
-        outcomes, rows = [], None
-        while self.pending and self.pending[0].known(ends, done):
-            rows = seq[:, : max(ends)].cpu() if rows is None else rows
-            outcome = self.pending.popleft().outcome(rows, ends, done, self.next_stop)
+        starts = [start for p in self.pending for _, start, _ in p.rows]
+        starts += [stop[0] for stop in self.stops.values() if isinstance(stop, tuple)]
+        text = _RowText(seq, min(starts, default=max(ends)), max(ends))
+        outcomes = []
+        while self.pending:
+            settled, outcome = self.pending[0].score(text, ends, done, self.stops)
+            if not settled:
+                break
+            self.pending.popleft()
             if outcome is not None:
                 outcomes.append(outcome)
         return outcomes
+
+
+class _RowText:
+    """The rows' text from column ``lo`` to ``hi``, copied to the host once for all the passes scored in a call."""
+
+    def __init__(self, seq: torch.Tensor, lo: int, hi: int):
+        self.lo = lo
+        self.tokens = seq[:, lo:hi].cpu().tolist() if hi > lo else [[] for _ in range(seq.shape[0])]
+
+    def copy_outcome(self, row: int, start: int, end: int, copy: list[int], done: bool) -> tuple[int, bool] | None:
+        """``(tokens, settled)``: what a lookup pass verifying ``copy`` at ``start`` commits in ``row``, and whether
+        the text settles it (the row finished, its text is as long as the copy or departs from it); unsettled, the
+        tokens are a lower bound. ``None`` for a row that finished where the copy began."""
+        known = self.tokens[row][start - self.lo : end - self.lo]
+        if done and not known:
+            return None
+        a = next((i for i, (x, y) in enumerate(zip(copy, known)) if x != y), min(len(copy), len(known)))
+        if done:
+            return min(a + 1, len(known)), True
+        return a + 1, len(known) >= len(copy) or a < len(known)
 
 
 class _PassCopies:
@@ -204,23 +233,42 @@ class _PassCopies:
     def __init__(self, rows: list[tuple[int, int, list[int]]], without: list[int]):
         self.rows, self.without = rows, without
 
-    def known(self, ends: list[int], done: list[bool]) -> bool:
-        return all(done[b] or ends[b] - start >= len(copy) for b, start, copy in self.rows)
-
-    def outcome(self, seq: torch.Tensor, ends: list[int], done: list[bool], next_stop: dict[int, int]) -> float | None:
-        """How far the pass moves the call on with the copies verified (:func:`batch_progress` over the rows with a
-        scored copy and those without one); ``None`` when no copy is scored (each lies inside what an earlier copy
-        would have committed, or its row finished where it began). ``next_stop`` is moved past each scored copy's
-        tokens."""
-        starts, committed = [], []
+    def score(self, text: _RowText, ends: list[int], done: list[bool], stops: dict) -> tuple[bool, float | None]:
+        """``(settled, outcome)``: how far the pass moves the call on with the copies verified
+        (:func:`batch_progress` over the rows with a scored copy and those without one), settled once no copy the
+        text still repeats can change it (the row furthest behind decides: a copy rejected at its first token
+        settles the pass a token later, whatever another row's copy goes on to repeat). The outcome is ``None`` when
+        no copy is scored (each lies inside what an earlier copy would have committed, or its row finished where it
+        began), unless rows without a copy move the call on by their one token. A settled pass moves each scored row's ``stops`` past its copy, or to the copy while the text still
+        repeats it."""
+        scored = []
         for b, start, copy in self.rows:
-            known = seq[b, start : ends[b]].tolist()
-            if not known or start < next_stop.get(b, 0):
+            if _inside_earlier_copy(b, start, text, ends, done, stops):
                 continue
-            a = next((i for i, (x, y) in enumerate(zip(copy, known)) if x != y), min(len(copy), len(known)))
-            starts.append(start)
-            committed.append(min(a + 1, len(known)) if done[b] else a + 1)
-            next_stop[b] = start + committed[-1]
-        if not committed:
-            return None
-        return batch_progress(starts + self.without, committed + [1] * len(self.without))
+            result = text.copy_outcome(b, start, ends[b], copy, done[b])
+            if result is not None:
+                scored.append((b, start, copy, *result))
+        if not scored:  # every copy lies inside an earlier one: the rows without one decide (one token), if any
+            return True, (1.0 if self.without else None)
+        settled_reach = [start + c for _, start, _, c, settled in scored if settled] + [e + 1 for e in self.without]
+        open_reach = [start + c for _, start, _, c, settled in scored if not settled]  # lower bounds: they can grow
+        if open_reach and (not settled_reach or min(open_reach) < min(settled_reach)):
+            return False, None
+        for b, start, copy, c, settled in scored:
+            stops[b] = start + c if settled else (start, copy)
+        return True, batch_progress(
+            [start for _, start, *_ in scored] + self.without, [c for *_, c, _ in scored] + [1] * len(self.without)
+        )
+
+
+def _inside_earlier_copy(b: int, start: int, text: _RowText, ends, done, stops: dict) -> bool:
+    """Whether row ``b``'s copy at ``start`` lies inside what the copy scored before it would have committed (a copy
+    the text still repeats is settled here first when the text now settles it)."""
+    stop = stops.get(b, 0)
+    if isinstance(stop, tuple):
+        run_start, run_copy = stop
+        result = text.copy_outcome(b, run_start, ends[b], run_copy, done[b])
+        if result is not None and not result[1]:
+            return True  # still repeated: every later copy of the row lies inside it
+        stop = stops[b] = run_start + (result[0] if result is not None else 0)
+    return start < stop
