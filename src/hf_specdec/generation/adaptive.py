@@ -345,7 +345,9 @@ class DraftLengthController:
         return (sum(self.copy_outcomes) + self.copy_prior * prior) / (n + self.copy_prior)
 
     def begin_call(self) -> None:
-        """A new ``generate`` call: what copies commit is learnt again from its text, from the estimate so far."""
+        """A new ``generate`` call: what copies commit is learnt again from its text, from the estimate so far
+        (calls in other threads sharing this controller start over with it: their decisions change, never their
+        output)."""
         self._earlier_copies = self.lookup_tokens
         self.copy_outcomes.clear()
 
