@@ -239,8 +239,8 @@ class _PassCopies:
         text still repeats can change it (the row furthest behind decides: a copy rejected at its first token
         settles the pass a token later, whatever another row's copy goes on to repeat). The outcome is ``None`` when
         no copy is scored (each lies inside what an earlier copy would have committed, or its row finished where it
-        began), unless rows without a copy move the call on by their one token. A settled pass moves each scored row's ``stops`` past its copy, or to the copy while the text still
-        repeats it."""
+        began), unless rows without a copy move the call on by their one token. A settled pass moves each scored
+        row's ``stops`` past its copy, or to the copy while the text still repeats it."""
         scored = []
         for b, start, copy in self.rows:
             if _inside_earlier_copy(b, start, text, ends, done, stops):
