@@ -60,6 +60,17 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def dump_new_shards(target, tokenizer, config, args) -> tuple[dict, list, list]:
+    """The bf16 target's features over the training records of shards ``args.from_shard`` .. ``args.shards``-1 and
+    the held-out records of every shard up to ``args.shards`` (resumable; what is dumped already is kept). Returns
+    ``({"train": dir, "eval": dir}, training records, held-out records)``."""
+    train_records, eval_records = training_and_held_out(args.data, args.shards, args.eval_every, args.from_shard)
+    dirs = {name: os.path.join(args.out, f"features-{name}") for name in ("train", "eval")}
+    dump(target, tokenizer, eval_records, config, dirs["eval"], args.max_length)
+    dump(target, tokenizer, train_records, config, dirs["train"], args.max_length)
+    return dirs, train_records, eval_records
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -68,11 +79,8 @@ def main(argv=None):
 
     target, tokenizer = load_smollm2(dtype="bfloat16")
     target.eval()
-    train_records, eval_records = training_and_held_out(args.data, args.shards, args.eval_every, args.from_shard)
     start = AutoModelForDrafting.from_pretrained(args.drafter)
-    dirs = {name: os.path.join(args.out, f"features-{name}") for name in ("train", "eval")}
-    dump(target, tokenizer, eval_records, start.config, dirs["eval"], args.max_length)
-    dump(target, tokenizer, train_records, start.config, dirs["train"], args.max_length)
+    dirs, train_records, eval_records = dump_new_shards(target, tokenizer, start.config, args)
     before = score(start, target, dirs["eval"], args)
     print(f"before: {before}")
 

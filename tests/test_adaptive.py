@@ -227,6 +227,47 @@ def test_a_probe_waits_while_the_catch_up_would_cost_more_than_its_share_of_the_
     assert _losing_drafter_with_a_dear_catch_up().choose(1000, pending_slots=100) > 0
 
 
+def _winning_drafter_with_small_catch_ups(ctrl: DraftLengthController) -> DraftLengthController:
+    """Drafts of 2 that are always accepted (about 2.7 tokens for 1.2 plain steps), and catch-ups measured only
+    after single plain steps: 0.2 plain steps per slot."""
+    _feed(ctrl, 0, [0], 1.0)
+    for _ in range(3):
+        ctrl.update(2, torch.tensor([2]), torch.tensor([3]), torch.tensor([True]), 1.4, False, 0.2, 1)
+    return ctrl
+
+
+def test_a_waiting_prompt_is_paid_for_by_the_drafts_of_the_whole_call():
+    ctrl = _winning_drafter_with_small_catch_ups(DraftLengthController(2, probe_every=1000))
+    assert ctrl.catchup_cost(40) == pytest.approx(8.0)
+    assert ctrl.best(pending_slots=40) == 0  # charged to one pass, the catch-up eats that pass's gain
+    assert ctrl.best(pending_slots=40, steps_left=80) == 2  # spread over the call: 80 / (8 + 80 / 2.26) = 1.84
+    assert ctrl.best(pending_slots=40, steps_left=10) == 0  # a short call does not win it back
+    assert ctrl.choose(80, pending_slots=40) == 2
+
+
+def test_a_call_where_drafting_wins_drafts_from_its_first_pass_whatever_its_prompt(monkeypatch):
+    """Earlier calls measured drafts that win and only small, dear-per-slot catch-ups; a call with a 40-token prompt
+    still drafts at once (the drafter observes the prompt before the first pass), and its output is plain
+    generate's. Charged to the first pass alone, the prompt's catch-up (8 plain steps) left the prompt waiting and
+    the whole call on plain steps (the code demo fell from 1.80x to 1.32x)."""
+    target = make_target("llama")
+    torch.manual_seed(0)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=2)).eval()
+    ctrl = _winning_drafter_with_small_catch_ups(
+        controller_for(drafter, target, 2, None, 1, False, torch.device("cpu"))
+    )
+    ctrl._next_probe = 10**9  # no probe at the first pass
+    seen, observe = [], drafter.observe
+    monkeypatch.setattr(drafter, "observe", lambda state, inputs: seen.append(inputs.next_token_ids.shape[1])
+                        or observe(state, inputs))  # fmt: skip
+    ids = torch.randint(3, target.config.vocab_size, (1, 40))
+    ref = target.generate(ids, max_new_tokens=80, do_sample=False, eos_token_id=None)
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=80, do_sample=False, eos_token_id=None,
+                          lookup_tokens=0, return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    assert seen[0] == 40 and max(out.draft_lengths[0]) > 0
+
+
 def test_a_catch_up_is_one_pass_within_the_measured_sizes_and_grows_beyond_them():
     ctrl = DraftLengthController(2)
     _feed(ctrl, 0, [0], 1.0)

@@ -27,8 +27,9 @@ large batch on a compute-bound device.
 * A draft must be expected to beat a plain step by ``margin`` (5 %) to be chosen, so noise around break-even
   (a weak drafter, whose one-token draft at best pays for its wider pass) decodes plainly.
 * After plain steps the drafter must catch up on the slots it did not see before it can draft. That time is
-  measured apart (per slot, relative to a plain step) and counted against the next draft, so the loop does not
-  flip to drafting for a gain the catch-up eats. A call that starts where plain steps win (what earlier calls
+  measured apart (per slot, relative to a plain step) and counted against drafting, spread over the steps left in
+  the call (it is paid once; the drafter then keeps up), so the loop does not flip to drafting for a gain the
+  catch-up eats, nor leave a long call on plain steps because the prompt it has not seen yet is long. A call that starts where plain steps win (what earlier calls
   measured) leaves the drafter's pass over the prompt to that catch-up too, so a call that never drafts never runs
   the drafter.
 * To learn, the controller tries ``K = 0`` once early (the plain-step cost), and then, now and then, a draft length
@@ -230,29 +231,34 @@ class DraftLengthController:
         longer = [c for j in self.times if j > k and (c := self.relative_cost(j)) is not None]
         return min(longer) if longer else None
 
-    def rate(self, k: int, pending_slots: int = 0) -> float | None:
-        """Expected tokens per plain-step time of a pass drafting ``k`` (a plain step: 1), the catch-up on
-        ``pending_slots`` counted against drafting; ``None`` while no measurement bounds ``k``'s cost
+    def rate(self, k: int, pending_slots: int = 0, steps_left: int | None = None) -> float | None:
+        """Expected tokens per plain-step time of drafting ``k`` (a plain step: 1), the catch-up on
+        ``pending_slots`` counted against drafting: against this pass alone, or, given the ``steps_left`` in the
+        call, spread over them (the drafter catches up once, then keeps up while the call drafts: a waiting prompt
+        is paid for by every draft after it, not by the first); ``None`` while no measurement bounds ``k``'s cost
         (:meth:`cost_bound`)."""
         cost = self.cost_bound(k)
         if cost is None:
             return None
-        if k > 0:
-            cost += self.catchup_cost(pending_slots)
-        return self.expected_tokens(k) / cost
+        tokens = self.expected_tokens(k)
+        catchup = self.catchup_cost(pending_slots) if k > 0 else 0.0
+        if steps_left is None or steps_left <= tokens:
+            return tokens / (cost + catchup)
+        return steps_left / (catchup + steps_left * cost / tokens)
 
     def arms(self) -> list[int]:
         return [0, self.k_max] if self.tree else list(range(self.k_max + 1))
 
-    def best(self, limit: int | None = None, pending_slots: int = 0) -> int:
-        """The measured draft length with the highest expected tokens per second (ties: the longer one); a draft
-        must beat a plain step by ``margin`` to be chosen."""
+    def best(self, limit: int | None = None, pending_slots: int = 0, steps_left: int | None = None) -> int:
+        """The measured draft length with the highest expected tokens per second (ties: the longer one; the
+        catch-up on ``pending_slots`` spread over ``steps_left``, see :meth:`rate`); a draft must beat a plain step
+        by ``margin`` to be chosen."""
         limit = self.k_max if limit is None else min(limit, self.k_max)
         if not self.times:
             return limit  # nothing measured yet: draft
         best_k, best_rate = 0, 1.0 + self.margin
         for k in self.arms():
-            rate = self.rate(k, pending_slots) if 0 < k <= limit else None
+            rate = self.rate(k, pending_slots, steps_left) if 0 < k <= limit else None
             if rate is not None and rate >= best_rate:
                 best_k, best_rate = k, rate
         return best_k
@@ -271,7 +277,7 @@ class DraftLengthController:
         if self.step_time is None and n >= 1:
             choice = 0  # learn what a plain step costs
         else:
-            choice = self.best(limit, pending_slots)
+            choice = self.best(limit, pending_slots, steps_left)
             if choice != self._last_best:  # the estimates moved: look around again soon
                 self._last_best = choice
                 self._probe_gap = self.probe_every

@@ -784,7 +784,7 @@ class SpeculativeDecoder:
         if controller is None or not drafter.observe_in_batches or drafter.requires_target_logits:
             return False
         limit = self.committed.remaining() - 1
-        return controller.step_time is not None and controller.best(limit, self.prompt_len) == 0
+        return controller.step_time is not None and controller.best(limit, self.prompt_len, steps_left=limit) == 0
 
     # ---------------------------------------------------------------- one pass: plan, propose, verify, commit, feed back
     def step(self) -> None:
