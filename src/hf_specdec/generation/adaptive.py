@@ -29,9 +29,9 @@ large batch on a compute-bound device.
 * After plain steps the drafter must catch up on the slots it did not see before it can draft. That time is
   measured apart (per slot, relative to a plain step) and counted against drafting, spread over the steps left in
   the call (it is paid once; the drafter then keeps up), so the loop does not flip to drafting for a gain the
-  catch-up eats, nor leave a long call on plain steps because the prompt it has not seen yet is long. A call that starts where plain steps win (what earlier calls
-  measured) leaves the drafter's pass over the prompt to that catch-up too, so a call that never drafts never runs
-  the drafter.
+  catch-up eats, nor leave a long call on plain steps because the prompt it has not seen yet is long. A call that
+  starts where plain steps win (what earlier calls measured) leaves the drafter's pass over the prompt to that
+  catch-up too, so a call that never drafts never runs the drafter.
 * To learn, the controller tries ``K = 0`` once early (the plain-step cost), and then, now and then, a draft length
   next to the current best (hill climbing), so a length that was underestimated gets measured. The first probe comes
   after ``probe_every`` passes; while probes do not change the best choice, the gap between them doubles (up to
