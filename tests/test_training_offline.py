@@ -198,12 +198,50 @@ def test_resume_mismatch_raises(target, tmp_path):
         dump_features(target, examples, [1, 2], tmp_path, **kwargs)
     with pytest.raises(ValueError, match="dtype"):
         dump_features(target, examples, LAYERS, tmp_path, dtype=torch.float32, **kwargs)
-    with pytest.raises(ValueError, match="num_examples"):
+    with pytest.raises(ValueError, match="num_examples=4 but this call has 3"):
         dump_features(target, examples[:3], LAYERS, tmp_path, **kwargs)
     # resume=False replaces the dump.
     index = dump_features(target, examples[:3], [1, 2], tmp_path, dtype=torch.float32, resume=False, **kwargs)
     assert index["num_examples"] == 3 and index["layer_ids"] == [1, 2]
     assert OfflineFeatureDataset(tmp_path).layer_ids == [1, 2]
+
+
+def test_a_dump_grows_with_its_examples_and_only_the_new_ones_are_run(target, tmp_path):
+    examples = make_examples(LENGTHS)
+    kwargs = dict(dtype=torch.float32, batch_size=2, shard_tokens=15, progress=False, log=None)
+    first = dump_features(target, examples[:5], LAYERS, tmp_path / "grown", **kwargs)
+    counter = ForwardCounter(target)
+    try:
+        grown = dump_features(target, examples, LAYERS, tmp_path / "grown", **kwargs)
+    finally:
+        counter.remove()
+    assert counter.calls == 2  # examples 5, 6, 7 in batches of two; the first five are not run again
+    assert grown["complete"] and grown["num_examples"] == len(LENGTHS)
+    assert grown["shards"][: len(first["shards"])] == first["shards"]
+    dump_features(target, examples, LAYERS, tmp_path / "fresh", **kwargs)
+    served, fresh = OfflineFeatureDataset(tmp_path / "grown"), OfflineFeatureDataset(tmp_path / "fresh")
+    assert served.example_ids == fresh.example_ids == list(range(len(LENGTHS)))
+    for a, b in zip(served, fresh):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        torch.testing.assert_close(a["target_hidden_states"], b["target_hidden_states"])
+
+
+@pytest.mark.parametrize("change", ["input_ids", "loss_mask", "order"])
+def test_resuming_with_changed_examples_is_refused_and_keeps_the_dump(target, tmp_path, change):
+    examples = make_examples(LENGTHS[:4])
+    kwargs = dict(progress=False, log=None)
+    index = dump_features(target, examples, LAYERS, tmp_path, **kwargs)
+    files = {f: (tmp_path / f).read_bytes() for f in shard_files(tmp_path)}
+    changed = [dict(e) for e in examples] + make_examples([6], seed=9)
+    if change == "order":
+        changed[0], changed[1] = changed[1], changed[0]
+    else:
+        changed[2][change] = list(changed[2][change])
+        changed[2][change][0] = 5 if change == "input_ids" else 1 - changed[2][change][0]
+    with pytest.raises(ValueError, match="differs from the one stored"):
+        dump_features(target, changed, LAYERS, tmp_path, **kwargs)
+    assert {f: (tmp_path / f).read_bytes() for f in shard_files(tmp_path)} == files
+    assert OfflineFeatureDataset(tmp_path).example_ids == sorted(i for s in index["shards"] for i in s["example_ids"])
 
 
 def test_invalid_examples_and_layers(target, tmp_path):

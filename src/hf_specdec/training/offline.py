@@ -380,7 +380,7 @@ def _plan_shards(ids: list[int], lengths: list[int], shard_tokens: int) -> list[
 def _check_resumable(old: dict, metadata: dict, output_dir: str) -> None:
     """Refuses to resume the dump ``old`` (its ``index.json``) with other parameters or from another target; fills in
     this call's unknown tokenizer hash from the recorded one."""
-    for key in ("layer_ids", "dtype", "num_examples"):
+    for key in ("layer_ids", "dtype"):
         if old.get(key) != metadata[key]:
             raise ValueError(
                 f"Cannot resume the dump in {output_dir}: it has {key}={old.get(key)!r} but this call has "
@@ -435,8 +435,9 @@ def dump_features(
         dtype: storage dtype of the features (``torch.bfloat16`` by default, also float16/float32).
         batch_size: examples per target forward pass.
         shard_tokens: minimum number of tokens per shard file.
-        resume: continue an existing dump in ``output_dir`` (examples in completed shards are skipped). With
-            ``False``, an existing dump there is replaced.
+        resume: continue or extend an existing dump in ``output_dir``: examples in its completed shards are skipped
+            (their stored token ids and loss masks are checked against ``examples``), examples appended after them
+            are dumped, so a grown data set's dump grows with it. With ``False``, an existing dump there is replaced.
         progress: show a tqdm progress bar (in tokens).
         log: callable receiving human-readable messages (the size estimate, resume status); ``None`` silences.
         tokenizer: the target's tokenizer, whose vocabulary hash goes into the target fingerprint (optional).
@@ -447,7 +448,8 @@ def dump_features(
 
     Raises:
         ValueError: on malformed examples or invalid layer ids, or when resuming a dump made with different
-            ``layer_ids``, ``dtype`` or number of examples, or from another target (or one without a fingerprint).
+            ``layer_ids`` or ``dtype``, from fewer or other examples, or from another target (or one without a
+            fingerprint).
     """
     log = log or (lambda _msg: None)
     dtype = _resolve_dtype(dtype)
@@ -462,7 +464,7 @@ def dump_features(
     os.makedirs(output_dir, exist_ok=True)
     index_path = os.path.join(output_dir, INDEX_NAME)
     _remove_interrupted_writes(output_dir)
-    completed = _completed_shards(output_dir, index_path, metadata, resume, log)
+    completed = _completed_shards(output_dir, index_path, metadata, normalized, resume, log)
     done = {int(i) for shard in completed for i in shard["example_ids"]}
     todo = [i for i in range(len(normalized)) if i not in done]
     _log_plan(log, metadata, dtype, completed, done, todo, lengths)
@@ -556,9 +558,10 @@ def _remove_interrupted_writes(output_dir: str) -> None:
             os.remove(os.path.join(output_dir, name))
 
 
-def _completed_shards(output_dir: str, index_path: str, metadata: dict, resume: bool, log) -> list[dict]:
+def _completed_shards(output_dir: str, index_path: str, metadata: dict, normalized, resume: bool, log) -> list[dict]:
     """The shards of an earlier dump to keep (``resume``: those that are complete and readable, after checking the
-    dump was made the same way); without ``resume`` an earlier dump is removed."""
+    dump was made the same way and its stored examples are this call's); without ``resume`` an earlier dump is
+    removed."""
     if not os.path.exists(index_path):
         return []
     try:
@@ -576,14 +579,45 @@ def _completed_shards(output_dir: str, index_path: str, metadata: dict, resume: 
         os.remove(index_path)
         return []
     _check_resumable(old, metadata, output_dir)
+    _check_example_count(old, len(normalized), output_dir)
     completed = []
     for shard in old.get("shards", []):
         path = os.path.join(output_dir, shard["file"])
         if os.path.exists(path) and _shard_readable(path):
+            _check_stored_examples(path, shard["example_ids"], normalized, output_dir)
             completed.append(shard)
         else:
             log(f"Shard {shard['file']} is missing or unreadable; its examples will be recomputed.")
     return completed
+
+
+def _check_example_count(old: dict, count: int, output_dir: str) -> None:
+    """A dump grows with more examples (the stored ones first); it does not shrink."""
+    stored = old.get("num_examples")
+    if isinstance(stored, int) and stored > count:
+        raise ValueError(
+            f"Cannot resume the dump in {output_dir}: it was made for num_examples={stored} but this call has "
+            f"{count}. A dump is extended by examples appended after its own, not shrunk: use another output_dir "
+            "or resume=False."
+        )
+
+
+def _check_stored_examples(path: str, example_ids, normalized: list, output_dir: str) -> None:
+    """Refuses to keep a shard whose stored token ids or loss mask differ from this call's example of the same id
+    (the examples changed or were reordered: features of other text would be served under their ids)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        for i in example_ids:
+            ids, mask = normalized[int(i)]
+            stored_ids = f.get_tensor(f"{i}.input_ids").tolist()
+            stored_mask = f.get_tensor(f"{i}.loss_mask").tolist()
+            if stored_ids != list(ids) or stored_mask != list(mask):
+                raise ValueError(
+                    f"Cannot resume the dump in {output_dir}: example {i} differs from the one stored in "
+                    f"{os.path.basename(path)} (the examples changed or were reordered). Keep the stored examples "
+                    "first and unchanged to extend a dump, or use another output_dir or resume=False."
+                )
 
 
 def _log_plan(log, metadata: dict, dtype, completed, done, todo, lengths) -> None:
