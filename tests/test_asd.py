@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import make_oracle, make_target, ragged_batch
+from helpers import FIXED_K, make_oracle, make_target, ragged_batch
 
 from hf_specdec import AutoModelForDrafting, Eagle3Config, Proposal
 from hf_specdec.verification import ASDVerifier, asd_accept, get_verifier
@@ -75,8 +75,10 @@ def test_asd_in_generate_spends_within_budget_and_gains():
     ids, mask = ragged_batch(3, seed=4)
     kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False)
     ref = target.generate(ids, **kwargs)
-    # A drafter that replays the target's output with 30% of its tokens corrupted.
+    # A drafter that replays the target's output with 30% of its tokens corrupted, drafting every pass (the adaptive
+    # length reads the clock: on a loaded machine it may run plain steps, where ASD has nothing to accept).
     oracle = make_oracle(target, ref[:, ids.shape[1] :], corruption=0.3, seed=1, num_draft_tokens=4)
+    kwargs.update(FIXED_K)
     strict = target.generate(ids, assistant_model=oracle, return_dict_in_generate=True, **kwargs)
     approx = target.generate(ids, assistant_model=oracle, verifier="asd", asd_budget=3.0, asd_gate=10.0,
                              asd_block_cap=2, return_dict_in_generate=True, **kwargs)  # fmt: skip
