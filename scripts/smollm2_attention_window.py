@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from results_files import write_results  # noqa: E402
-from smollm2_confidence_gap import spec_bench_answers  # noqa: E402
+from smollm2_confidence_gap import bf16_target_and_drafter, spec_bench_answers  # noqa: E402
 from train_smollm2_scaling import dump  # noqa: E402
 
 
@@ -106,15 +106,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from hf_specdec import AutoModelForDrafting
-    from hf_specdec.gguf_target import load_smollm2
     from hf_specdec.training.offline import OfflineFeatureDataset
 
     os.makedirs(args.work, exist_ok=True)
-    target, tokenizer = load_smollm2(dtype="bfloat16")
-    target.eval()
-    drafter = AutoModelForDrafting.from_pretrained(args.drafter).float().eval()
-    drafter.bind_target(target)
+    target, tokenizer, drafter = bf16_target_and_drafter(args.drafter)
     answers = spec_bench_answers(target, tokenizer, args.per_category, 128, args.work)
     windows = [None, *args.windows]
     rows = []

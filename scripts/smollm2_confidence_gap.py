@@ -50,6 +50,19 @@ def spec_bench_answers(target, tokenizer, per_category: int, max_new_tokens: int
         return sorted((json.loads(line) for line in fh), key=lambda r: r["source_index"])
 
 
+def bf16_target_and_drafter(drafter_path: str):
+    """SmolLM2 in bf16 (the dtype the data and its features were made in), its tokenizer, and the fp32 drafter
+    bound to it, both in eval mode."""
+    from hf_specdec import AutoModelForDrafting
+    from hf_specdec.gguf_target import load_smollm2
+
+    target, tokenizer = load_smollm2(dtype="bfloat16")
+    target.eval()
+    drafter = AutoModelForDrafting.from_pretrained(drafter_path).float().eval()
+    drafter.bind_target(target)
+    return target, tokenizer, drafter
+
+
 @torch.no_grad()
 def positions(drafter, target, features_dir) -> tuple[torch.Tensor, ...]:
     """Per scored answer position: the target's top-1 probability, whether the drafter's first step drafts the
@@ -175,14 +188,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from hf_specdec import AutoModelForDrafting
-    from hf_specdec.gguf_target import load_smollm2
-
     os.makedirs(args.work, exist_ok=True)
-    target, tokenizer = load_smollm2(dtype="bfloat16")
-    target.eval()
-    drafter = AutoModelForDrafting.from_pretrained(args.drafter).float().eval()
-    drafter.bind_target(target)
+    target, tokenizer, drafter = bf16_target_and_drafter(args.drafter)
     _, held_out = split_records(read_records(args.chat_data, args.shards), args.eval_every)
     spec = spec_bench_answers(target, tokenizer, args.per_category, args.max_new_tokens, args.work)
     sets = {"held-out chat": held_out}
