@@ -1,5 +1,6 @@
 """Offline target features: dump, resume, read back, collate."""
 
+import json
 import os
 import pickle
 from types import SimpleNamespace
@@ -242,6 +243,16 @@ def test_resuming_with_changed_examples_is_refused_and_keeps_the_dump(target, tm
         dump_features(target, changed, LAYERS, tmp_path, **kwargs)
     assert {f: (tmp_path / f).read_bytes() for f in shard_files(tmp_path)} == files
     assert OfflineFeatureDataset(tmp_path).example_ids == sorted(i for s in index["shards"] for i in s["example_ids"])
+
+
+def test_a_dump_whose_index_lost_its_count_still_refuses_fewer_examples(target, tmp_path):
+    examples = make_examples(LENGTHS[:4])
+    dump_features(target, examples, LAYERS, tmp_path, progress=False, log=None)
+    index = json.loads((tmp_path / "index.json").read_text())
+    del index["num_examples"]
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="example 3 differs from the one stored"):
+        dump_features(target, examples[:3], LAYERS, tmp_path, progress=False, log=None)
 
 
 def test_invalid_examples_and_layers(target, tmp_path):

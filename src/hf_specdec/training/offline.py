@@ -609,10 +609,10 @@ def _check_stored_examples(path: str, example_ids, normalized: list, output_dir:
 
     with safe_open(path, framework="pt") as f:
         for i in example_ids:
-            ids, mask = normalized[int(i)]
+            ids, mask = normalized[int(i)] if int(i) < len(normalized) else (None, None)
             stored_ids = f.get_tensor(f"{i}.input_ids").tolist()
             stored_mask = f.get_tensor(f"{i}.loss_mask").tolist()
-            if stored_ids != list(ids) or stored_mask != list(mask):
+            if ids is None or stored_ids != list(ids) or stored_mask != list(mask):
                 raise ValueError(
                     f"Cannot resume the dump in {output_dir}: example {i} differs from the one stored in "
                     f"{os.path.basename(path)} (the examples changed or were reordered). Keep the stored examples "
