@@ -660,7 +660,7 @@ def test_the_draft_cost_counts_drafting_passes_not_the_prompt_or_catch_ups(monke
     timings = out.timings
     assert timings["draft_steps"] >= 6 and timings["plain_steps"] >= 15
     # all the drafter's time holds the 0.3 s prompt pass; the drafting passes' time (what c divides) does not
-    assert timings["drafting_s"] < 0.3 <= timings["draft_s"], timings
+    assert timings["draft_s"] - timings["drafting_s"] >= 0.3, timings
     assert timings["drafting_s"] > 0
 
 

@@ -164,6 +164,7 @@ def test_zero_budget_is_strict_with_a_frequently_wrong_drafter(batch):
     kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False)
     ref = target.generate(ids, **kwargs)
     oracle = make_oracle(target, ref[:, ids.shape[1] :], corruption=0.4, seed=3, num_draft_tokens=5)
+    kwargs.update(FIXED_K)  # draft every pass: the adaptive length reads the clock and may run plain steps
     out = target.generate(ids, assistant_model=oracle, verifier="asd", asd_budget=0.0, asd_gate=100.0,
                           asd_block_cap=5, return_dict_in_generate=True, **kwargs)  # fmt: skip
     assert torch.equal(out.sequences, ref)
@@ -192,7 +193,7 @@ def test_statistics_count_only_committed_tokens(arch, batch):
         out = target.generate(
             ids, attention_mask=mask, assistant_model=drafter, verifier="asd", asd_budget=1e4, asd_gate=1e4,
             asd_block_cap=3, max_new_tokens=23, do_sample=False, eos_token_id=eos, pad_token_id=0,
-            return_dict_in_generate=True,
+            return_dict_in_generate=True, **FIXED_K,
         )  # fmt: skip
         gen = out.sequences[:, ids.shape[1] :]
         full_mask = torch.cat([mask, torch.ones_like(gen)], dim=1)
@@ -283,7 +284,7 @@ def test_a_minus_inf_scored_draft_token_is_infeasible_and_the_ledger_stays_finit
     out = target.generate(
         ids, attention_mask=mask, assistant_model=drafter, verifier="asd", asd_budget=100.0, asd_gate=100.0,
         asd_block_cap=3, suppress_tokens=[banned], max_new_tokens=40, do_sample=False, eos_token_id=None,
-        return_dict_in_generate=True,
+        return_dict_in_generate=True, **FIXED_K,
     )  # fmt: skip
     regret = out.verifier_stats["regret"]
     assert bool(torch.isfinite(regret).all())
@@ -298,7 +299,7 @@ def test_a_binding_budget_spends_less():
     cont = target.generate(ids, attention_mask=mask, max_new_tokens=60, do_sample=False, eos_token_id=None)
     drafter = make_oracle(target, cont[:, ids.shape[1] :], corruption=0.35, seed=1, num_draft_tokens=5)
     kwargs = dict(attention_mask=mask, assistant_model=drafter, verifier="asd", asd_gate=1e9, asd_block_cap=5,
-                  max_new_tokens=50, do_sample=False, eos_token_id=None, return_dict_in_generate=True)  # fmt: skip
+                  max_new_tokens=50, do_sample=False, eos_token_id=None, return_dict_in_generate=True, **FIXED_K)  # fmt: skip
     tight = target.generate(ids, asd_budget=3.0, **kwargs)
     loose = target.generate(ids, asd_budget=1e9, **kwargs)
     assert bool((tight.verifier_stats["regret"] <= 3.0 + 1e-5).all())

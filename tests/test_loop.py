@@ -73,7 +73,7 @@ def test_noisy_oracle_ragged_acceptance_is_identical(arch, k):
     drafter = make_oracle(target, cont, corruption=0.25, seed=k, num_draft_tokens=k)
     kwargs = dict(attention_mask=mask, max_new_tokens=32, do_sample=False, eos_token_id=None)
     ref = target.generate(ids, **kwargs)
-    out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs, **FIXED_K)
     assert torch.equal(out.sequences, ref)
     # Rows really advanced at different speeds within the same passes.
     lengths = out.accepted_lengths
