@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # DSpark with ASD on SmolLM2-135M-Instruct (the DSpark paper's headline pairing): the ASD settings frozen by the EAGLE-3
-# audit (scripts/asd_audit_smollm2.sh, model_cards/results/smollm2-asd-tune.json: B = 1, g = 0.5, M = 2), measured on
+# audit (scripts/asd_audit_smollm2.sh, $TUNE, default model_cards/results/smollm2-asd-tune.json: B = 0.5, g = 0.5,
+# M = 2 since the audit of the drafter trained on all 30 shards; the committed DSpark files were made with
+# TUNE=model_cards/results/smollm2-asd-tune-before-retraining.json, B = 1), measured on
 # the held-out test half of the same arithmetic word problems (`--split test`, exact match, to natural EOS, cap 256
 # tokens) with the DSpark drafter of scripts/train_smollm2_families.sh at a fixed 7 drafts per pass and no lookup:
 # plain, strict verification and ASD in one run, greedy, batch 1, fp32, 2 threads (run it alone); then the same on
@@ -10,7 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/smollm2-families}
 OUT=${OUT:-model_cards/results}
-read -r B G M < <(python - "$OUT/smollm2-asd-tune.json" <<'PY'
+TUNE=${TUNE:-$OUT/smollm2-asd-tune.json}
+read -r B G M < <(python - "$TUNE" <<'PY'
 import json, sys
 rec = json.load(open(sys.argv[1]))["recommended"]
 print(rec["asd_budget"], rec["asd_gate"], rec["asd_block_cap"])
