@@ -88,7 +88,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    args.out = args.work
+    args.out = args.work  # where train_smollm2_long.score writes its scratch trainer output
 
     from hf_specdec import AutoModelForDrafting
     from hf_specdec.gguf_target import load_smollm2
