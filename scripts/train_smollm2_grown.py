@@ -10,7 +10,9 @@ only, as fresh data, without dumping and re-reading the old ones:
 2. features: the bf16 target's features over both (``dump_features``, resumable; the same dumps as
    ``train_smollm2_scaling.py --shards S --from-shard F --dump-only --out OUT``);
 3. training: from ``--drafter`` (default: the shipped drafter) for ``--epochs``, a fresh cosine schedule from
-   ``--lr``, resumable from its checkpoints;
+   ``--lr``, resumable from its checkpoints; with ``--draft-layers N`` the drafter is first deepened to ``N`` draft
+   layers (``Eagle3ForDrafting.with_draft_layers``: the added layers start as identities, so training starts from
+   the trained drafter's acceptance) and written to ``OUT/drafter-Nlayers``;
 4. results: the drafter scored on the held-out set before and after (loss, acc_0..4, simulated tau) in
    ``--results`` (default ``model_cards/results/smollm2-eagle3-grown.json``).
 
@@ -46,6 +48,7 @@ def parse_args(argv):
         help=f"train on the records of this shard on (default {SHIPPED_SHARDS}: those the shipped drafter has not seen)",
     )
     p.add_argument("--drafter", default="src/hf_specdec/assets/smollm2-drafter")
+    p.add_argument("--draft-layers", type=int, help="deepen the drafter to this many draft layers first")
     p.add_argument("--out", default="runs/smollm2-grown")
     p.add_argument("--results", default="model_cards/results/smollm2-eagle3-grown")
     p.add_argument("--eval-every", type=int, default=64, help="the held-out rule of train_smollm2_scaling.py")
@@ -81,16 +84,19 @@ def main(argv=None):
     target.eval()
     start = AutoModelForDrafting.from_pretrained(args.drafter)
     dirs, train_records, eval_records = dump_new_shards(target, tokenizer, start.config, args)
-    before = score(start, target, dirs["eval"], args)
+    before = score(start, target, dirs["eval"], args)  # a deepened drafter starts here too (its new layers: identities)
     print(f"before: {before}")
 
+    drafter_dir = os.path.join(args.out, "drafter" + (f"-{args.draft_layers}layers" if args.draft_layers else ""))
+    deepen = {"num_hidden_layers": args.draft_layers} if args.draft_layers else None
     drafter, record = fine_tune(
-        target, tokenizer, args, os.path.join(args.out, "drafter"), dirs["train"], dirs["eval"], args.save_steps * 2
+        target, tokenizer, args, drafter_dir, dirs["train"], dirs["eval"], args.save_steps * 2, overrides=deepen
     )
     after = score(drafter, target, dirs["eval"], args)
     print(f"after: {after}")
     fields = {
         "drafter": "EAGLE-3, continued from " + args.drafter,
+        "draft_layers": drafter.config.num_hidden_layers,
         "data": args.data,
         "shards": {"read": args.shards, "trained_from": args.from_shard},
         "training_records": len(train_records),

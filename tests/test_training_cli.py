@@ -51,6 +51,12 @@ def test_cli_pipeline(workspace):
     assert cli(["train", "--features", str(feats), "--output-dir", str(out2), "--max-steps", "4", *common]) == 0
     assert json.loads((out2 / "training_record.json").read_text())["data"]["offline_features"] is True
     assert AutoModelForDrafting.from_pretrained(out2) is not None
+    # --draft-layers deepens the trained drafter before fine-tuning it.
+    out3 = root / "out_deeper"
+    assert cli(["train", "--features", str(feats), "--output-dir", str(out3), "--max-steps", "2", "--drafter", str(out2),
+                "--draft-layers", "2", *common[:-4]]) == 0  # fmt: skip
+    deeper = AutoModelForDrafting.from_pretrained(out3)
+    assert deeper.config.num_hidden_layers == 2 and len(deeper.upper_layers) == 1
 
 
 def test_offline_features_give_the_online_loss(workspace, tmp_path):

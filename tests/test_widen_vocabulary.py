@@ -1,5 +1,6 @@
 """Widening a trained drafter's draft vocabulary: its trained weights kept, the new tokens initialised from the
-target, then fine-tuned (``train_drafter(..., drafter=path, drafter_overrides={"draft_vocab_size": N})``)."""
+target, then fine-tuned (``train_drafter(..., drafter=path, drafter_overrides={"draft_vocab_size": N})``); and
+deepening a trained EAGLE-3 drafter the same way (``{"num_hidden_layers": N}``, ``hf-specdec train --draft-layers``)."""
 
 import pytest
 import torch
@@ -100,3 +101,28 @@ def test_widening_refuses_what_it_cannot_do(target, trained, tmp_path):
     with pytest.raises(ValueError, match="Architecture overrides only apply to a fresh drafter"):
         train_drafter(target, None, list(data.examples), args(tmp_path, max_steps=1), drafter=path,
                       drafter_overrides={"num_draft_tokens": 2})  # fmt: skip
+
+
+def test_deepening_a_trained_drafter_through_train_drafter(target, trained, tmp_path):
+    """``num_hidden_layers`` with a trained EAGLE-3 drafter deepens it (trained weights kept) and trains the added
+    layer; the drafter starts where the trained one is (the same held-out accuracy before its first step)."""
+    path, data = trained
+    old = AutoModelForDrafting.from_pretrained(path)
+    start = DrafterTrainer(old.with_draft_layers(2), target, args(tmp_path / "score"), data, data).draft_metrics()
+    base = DrafterTrainer(old, target, args(tmp_path / "base"), data, data).draft_metrics()
+    assert start.accuracy == base.accuracy
+    run = args(tmp_path, max_steps=4, save_steps=2, eval_steps=100)
+    drafter, record = train_drafter(target, None, list(data.examples), run, drafter=path,
+                                    drafter_overrides={"num_hidden_layers": 2}, eval_fraction=0.0)  # fmt: skip
+    assert record["steps"] == 4 and drafter.config.num_hidden_layers == 2
+    assert drafter.upper_layers[0].mlp.down_proj.weight.abs().sum() > 0  # trained away from its zero start
+    saved = AutoModelForDrafting.from_pretrained(tmp_path / "out")
+    assert saved.config.num_hidden_layers == 2
+    assert set(old.state_dict()) < set(saved.state_dict())
+    with pytest.raises(ValueError, match="adds layers"):
+        train_drafter(target, None, list(data.examples), args(tmp_path / "less"), drafter=str(tmp_path / "out"),
+                      drafter_overrides={"num_hidden_layers": 1}, eval_fraction=0.0)  # fmt: skip
+    flat = OracleDrafter(OracleDrafterConfig.for_target(target.config))
+    with pytest.raises(ValueError, match="OracleDrafter cannot be deepened"):
+        train_drafter(target, None, list(data.examples), args(tmp_path / "flat"), drafter=flat,
+                      drafter_overrides={"num_hidden_layers": 2}, eval_fraction=0.0)  # fmt: skip

@@ -208,6 +208,8 @@ def _facts(drafter, spec, target: str, layout: str | None) -> list[tuple[str, st
         ),  # fmt: skip
         ("draft tokens per step", str(cfg.num_draft_tokens)),
     ]
+    if (getattr(cfg, "num_hidden_layers", None) or 1) > 1:
+        facts.append(("draft layers", str(cfg.num_hidden_layers)))
     if cfg.target_layer_ids is not None:
         facts.append(("target features", f"`output_hidden_states{list(cfg.target_layer_ids)}`"))
     if cfg.draft_vocab_size and cfg.draft_vocab_size != cfg.target_vocab_size:

@@ -19,6 +19,7 @@ __all__ = [
     "rope_parameters",
     "rope_refusal",
     "SlotKVCache",
+    "SlotKVCaches",
     "compaction_index",
     "GatedMLP",
     "apply_rotary",
@@ -415,6 +416,31 @@ class SlotKVCache:
             self.valid = self.valid[:, :length]
 
 
+class SlotKVCaches:
+    """One :class:`SlotKVCache` per draft layer or module, all over the same verified slots (so ``length``,
+    ``valid``, ``crop`` and ``compact`` agree across them): a stack of draft layers writes every slot to each of its
+    caches, chained modules (one per draft step) write a drafted slot only to the module that drafted it."""
+
+    def __init__(self, num_caches: int):
+        self.caches = [SlotKVCache() for _ in range(num_caches)]
+
+    @property
+    def length(self) -> int:
+        return self.caches[0].length
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        return self.caches[0].valid
+
+    def crop(self, length: int) -> None:
+        for cache in self.caches:
+            cache.crop(length)
+
+    def compact(self, min_waste: int = 16, min_share: float = 0.1) -> bool:
+        done = [cache.compact(min_waste, min_share) for cache in self.caches]
+        return done[0]
+
+
 def slot_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -541,4 +567,9 @@ class DraftDecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, cache: SlotKVCache, valid, attn_mask=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, valid, attn_mask=attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def ttt(self, x, cos, sin, key_valid: torch.Tensor, prev_kv: list) -> torch.Tensor:
+        """The layer in one training-time-test step (see :meth:`DraftAttention.ttt`)."""
+        x = x + self.self_attn.ttt(self.input_layernorm(x), cos, sin, key_valid, prev_kv)
         return x + self.mlp(self.post_attention_layernorm(x))

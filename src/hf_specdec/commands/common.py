@@ -39,6 +39,8 @@ def drafter_overrides(args) -> dict:
         out["num_draft_tokens"] = args.num_draft_tokens
     if getattr(args, "draft_vocab_size", None):
         out["draft_vocab_size"] = args.draft_vocab_size
+    if getattr(args, "draft_layers", None):
+        out["num_hidden_layers"] = args.draft_layers
     if getattr(args, "layer_ids", None):
         out["target_layer_ids"] = args.layer_ids
     for item in getattr(args, "config", None) or []:  # --config KEY=VALUE (VALUE read as JSON, else a string)

@@ -119,6 +119,14 @@ def add_parsers(sub) -> None:
         help="a fresh drafter's draft vocabulary; with a trained --drafter, widen its vocabulary to this size (the "
         "data's most frequent other tokens join it, trained weights kept)",
     )
+    p.add_argument(
+        "--draft-layers",
+        type=int,
+        default=None,
+        help="a fresh drafter's draft decoder layers (num_hidden_layers, for families that stack them); with a trained "
+        "--drafter whose family can deepen, deepen it to this many (the added layers start as identities, trained "
+        "weights kept)",
+    )
     p.add_argument("--layer-ids", type=int, nargs="+", default=None)
     p.add_argument(
         "--config",

@@ -141,8 +141,9 @@ def train_drafter(
 
     ``drafter_overrides={"draft_vocab_size": N}`` with a trained drafter (a path or a model) widens its draft
     vocabulary to ``N`` before fine-tuning (:meth:`~hf_specdec.DrafterPreTrainedModel.widened_draft_vocabulary`:
-    the training data's most frequent other tokens join it, every trained weight is kept); no other override applies
-    to a trained drafter.
+    the training data's most frequent other tokens join it, every trained weight is kept), and
+    ``{"num_hidden_layers": N}`` deepens a trained drafter whose family stacks draft layers to ``N`` of them (its
+    ``with_draft_layers``: the added layers start as identities); no other override applies to a trained drafter.
 
     Returns:
         ``(drafter, training_record)``.
@@ -151,8 +152,8 @@ def train_drafter(
 
     set_seed(args.seed)  # a fresh drafter's initialisation is part of a reproducible run
     overrides = dict(drafter_overrides or {})
-    widen_to = _vocabulary_to_widen(drafter, overrides)
-    model = make_drafter(target, drafter, **overrides)
+    widen_to, deepen_to = _trained_drafter_changes(drafter, overrides)
+    model = _deepened(make_drafter(target, drafter, **overrides), deepen_to)
     train, held_out, collate, info = _training_data(
         model, target, tokenizer, data, features_dir, eval_features_dir, max_train_examples, max_length,
         eval_fraction, args.seed, eval_data,
@@ -169,16 +170,31 @@ def train_drafter(
     return trainer.unwrapped_drafter, record
 
 
-def _vocabulary_to_widen(drafter, overrides: dict) -> int | None:
-    """The draft vocabulary asked for a trained drafter (``draft_vocab_size`` among the overrides of a drafter given
-    by path or as a model, taken out of them; its own size asks for nothing); ``None`` for a fresh drafter or no such
-    override."""
+def _trained_drafter_changes(drafter, overrides: dict) -> tuple[int | None, int | None]:
+    """``(draft vocabulary, draft layers)`` asked for a trained drafter (``draft_vocab_size`` / ``num_hidden_layers``
+    among the overrides of a drafter given by path or as a model, taken out of them); ``None`` for a fresh drafter or
+    no such override."""
     from ..registry import DRAFTERS
 
     fresh = drafter is None or (isinstance(drafter, str) and drafter in DRAFTERS)
-    if fresh or "draft_vocab_size" not in overrides:
-        return None
-    return int(overrides.pop("draft_vocab_size"))
+    if fresh:
+        return None, None
+    return tuple(
+        None if overrides.get(k) is None else int(overrides.pop(k)) for k in ("draft_vocab_size", "num_hidden_layers")
+    )
+
+
+def _deepened(model, layers: int | None):
+    """``model`` with ``layers`` draft layers (its family's ``with_draft_layers``); itself when no depth is asked or
+    it has that depth already."""
+    if layers is None or layers == getattr(model.config, "num_hidden_layers", None):
+        return model
+    if not hasattr(model, "with_draft_layers"):
+        raise ValueError(
+            f"{type(model).__name__} cannot be deepened (it has no with_draft_layers): num_hidden_layers applies to "
+            "a trained drafter of a family that stacks draft layers, or to a fresh drafter of a family with that field."
+        )
+    return model.with_draft_layers(layers)
 
 
 def _training_data(model, target, tokenizer, data, features_dir, eval_features_dir, max_train_examples, max_length,

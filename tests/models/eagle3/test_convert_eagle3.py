@@ -330,7 +330,8 @@ def test_norm_flags_change_the_forward_as_in_their_projects(tmp_path, flags):
         ({"fc_norm": True}, "fc_norm"),
         ({"logit_scale": 2.0}, "logit_scale"),
         ({"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window"),
-        ({"num_hidden_layers": 2}, "num_hidden_layers"),
+        ({"num_hidden_layers": 2}, "num_hidden_layers=2; the tensors hold fewer draft layers"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers=0"),
         ({"eagle_config": {"use_aux_hidden_state": False}}, "use_aux_hidden_state"),
         ({"mystery_flag": 1}, "mystery_flag"),
         ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}, "not supported"),
@@ -426,3 +427,30 @@ def test_safeailab_export_runs_in_safeailab_runtime(tmp_path):
     vllm = json.load(open(os.path.join(export_drafter(scaled, str(tmp_path / "v"), "eagle3-vllm"), "config.json")))
     assert vllm["rope_scaling"]["rope_type"] == "llama3"
     assert import_drafter(str(tmp_path / "v")).config.rope_scaling_parameters == scaled.config.rope_scaling_parameters
+
+
+def test_vllm_layout_with_several_draft_layers(tmp_path):
+    """vLLM's EAGLE-3 model stacks ``num_hidden_layers`` layers (``layers.0`` reads ``[embedding; feature]``, the
+    others are plain) and builds a ``hidden_norm`` in each that only the first reads: such a checkpoint imports, the
+    unused norms dropped, and drafts as the exported drafter does; one whose tensors hold more layers than its
+    config.json says is refused by name."""
+    target = make_target("llama", layers=6)
+    torch.manual_seed(3)
+    config = Eagle3Config.for_target(target.config, num_hidden_layers=3, intermediate_size=64)
+    drafter = AutoModelForDrafting.from_config(config).eval().bind_target(target)
+    export_drafter(drafter, str(tmp_path / "vllm"), "eagle3-vllm")
+    tensors = load_file(str(tmp_path / "vllm" / "model.safetensors"))
+    assert {k.split(".")[1] for k in tensors if k.startswith("layers.")} == {"0", "1", "2"}
+    tensors.update({f"layers.{i}.hidden_norm.weight": torch.full((config.hidden_size,), 7.0) for i in (1, 2)})
+    with open(tmp_path / "vllm" / "config.json", encoding="utf-8") as fh:
+        exported = json.load(fh)
+    assert exported["num_hidden_layers"] == 3
+    back = AutoModelForDrafting.from_pretrained(_write(tmp_path / "as-vllm", tensors, exported))
+    assert back.config.num_hidden_layers == 3
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
+    ids, mask = ragged_batch(2, length=9, seed=4)
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(target.generate(ids, assistant_model=back, **kw), target.generate(ids, **kw))
+    with pytest.raises(ValueError, match="num_hidden_layers=2; the tensors hold more draft layers"):
+        AutoModelForDrafting.from_pretrained(_write(tmp_path / "short", tensors, dict(exported, num_hidden_layers=2)))

@@ -19,6 +19,18 @@ class TestEagle3(DrafterTesterMixin):
         return [logits for logits, _ in drafter.ttt_forward(input_ids, feats, attention_mask, steps)]
 
 
+class TestEagle3TwoLayers(TestEagle3):
+    """The whole shared tester on a drafter with two draft layers (``midlayer`` and ``upper_layers.0``)."""
+
+    config_overrides = {"intermediate_size": 64, "num_hidden_layers": 2}
+    layouts_refusing = {"eagle3": "draft layers"}  # SafeAILab's runtime has one draft layer; vLLM's has layers.{i}
+
+    def make_drafter(self, target, seed=0, **overrides):
+        # The tiny targets are built under seed 0 too: a plain upper layer initialised from the same random stream
+        # would come out equal to a target layer, which test_no_target_weights_saved reads as a copied weight.
+        return super().make_drafter(target, seed=seed + 1000, **overrides)
+
+
 def test_default_layer_ids_follow_reference():
     # hidden_states[2], [L // 2], [L - 3] (inputs of decoder layers 2, L//2, L-3), e.g. [2, 16, 29] for 32 layers.
     assert Eagle3Config.default_target_layer_ids(32) == [2, 16, 29]
@@ -108,3 +120,36 @@ def test_incomplete_or_corrupt_checkpoints_fail_clearly(tmp_path):
     reduced.save_pretrained(tmp_path / "badvocab")
     with pytest.raises(ValueError, match="d2t and t2d disagree"):
         AutoModelForDrafting.from_pretrained(tmp_path / "badvocab")
+
+
+def test_with_draft_layers_starts_where_the_shallower_drafter_is():
+    """A drafter deepened with ``with_draft_layers`` keeps every weight, drafts the same logits and the same tokens
+    (its added layers start as identities), has one cache per layer, and its added layers train."""
+    target = make_target("llama", seed=3)
+    torch.manual_seed(0)
+    shallow = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, intermediate_size=64)).eval()
+    deeper = shallow.with_draft_layers(3).eval()
+    assert deeper.config.num_hidden_layers == 3 and shallow.config.num_hidden_layers == 1
+    assert len(deeper.upper_layers) == 2 and not hasattr(shallow, "upper_layers")
+    for key, value in shallow.state_dict().items():
+        assert torch.equal(deeper.state_dict()[key], value), key
+    ids, mask = ragged_batch(2, length=10, seed=5)
+    feats = [h for h in target(ids, attention_mask=mask, output_hidden_states=True).hidden_states]
+    feats = [feats[i] for i in shallow.config.target_layer_ids]
+    shallow.bind_target(target), deeper.bind_target(target)
+    torch.testing.assert_close(
+        deeper(ids, target_hidden_states=feats, attention_mask=mask).logits,
+        shallow(ids, target_hidden_states=feats, attention_mask=mask).logits,
+    )
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    a = target.generate(ids, assistant_model=shallow, **kw)
+    b = target.generate(ids, assistant_model=deeper, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    assert a.accepted_lengths == b.accepted_lengths
+    # The zero output projections still pass gradients: one step moves the added layers.
+    deeper.train()
+    loss = deeper(ids, target_hidden_states=feats, attention_mask=mask).logits.float().logsumexp(-1).mean()
+    loss.backward()
+    assert deeper.upper_layers[0].self_attn.o_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="adds layers"):
+        deeper.with_draft_layers(2)

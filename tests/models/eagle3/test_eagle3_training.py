@@ -6,7 +6,7 @@ from drafter_tester import prefill_inputs
 from helpers import ARCHS, make_target, ragged_batch
 
 from hf_specdec import AutoModelForDrafting, DraftInputs, Eagle3Config
-from hf_specdec.layers import SlotKVCache
+from hf_specdec.layers import SlotKVCache, SlotKVCaches
 from hf_specdec.training.features import capture_target_features, target_logits_from_last_hidden
 
 
@@ -15,11 +15,13 @@ def _drafter(target, **kw):
     return AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, **kw)).eval().bind_target(target)
 
 
+@pytest.mark.parametrize("layers", [1, 3])
 @pytest.mark.parametrize("anchor", [3, 7])
-def test_ttt_step_j_equals_inference_drafting_with_teacher_forcing(anchor):
-    """Step j of TTT at anchor t computes exactly what the j-th drafted slot computes at inference."""
+def test_ttt_step_j_equals_inference_drafting_with_teacher_forcing(anchor, layers):
+    """Step j of TTT at anchor t computes exactly what the j-th drafted slot computes at inference, with one draft
+    layer or a stack of them (each attending to its own keys)."""
     target = make_target("llama", seed=2)
-    drafter = _drafter(target)
+    drafter = _drafter(target, num_hidden_layers=layers)
     ids, mask = ragged_batch(1, length=14)
     feats = capture_target_features(target, ids, mask, drafter.config.target_layer_ids)
     outs = drafter.ttt_forward(ids, feats.hidden_states, mask, steps=4)
@@ -45,7 +47,8 @@ def test_ttt_step_j_equals_inference_drafting_with_teacher_forcing(anchor):
         out, logits = drafter._step(emb, hidden[:, None], pos, torch.ones(1, 1, dtype=torch.bool), state.cache)
         hidden = out[:, 0]
         torch.testing.assert_close(logits[:, 0], outs[j][0][:, anchor], rtol=1e-5, atol=1e-5)
-    assert isinstance(state.cache, SlotKVCache)
+    assert isinstance(state.cache, SlotKVCache if layers == 1 else SlotKVCaches)
+    assert [c.length for c in drafter.layer_caches(state.cache)] == [anchor + 4] * layers
 
 
 @pytest.mark.parametrize("arch", ARCHS)

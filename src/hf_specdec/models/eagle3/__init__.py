@@ -12,11 +12,11 @@ register_drafter(
     "eagle3",
     Eagle3Config,
     Eagle3ForDrafting,
-    "EAGLE-3: fused low/mid/high target features, one layer",
+    "EAGLE-3: fused low/mid/high target features, one layer (or a stack)",
     display_name="EAGLE-3",
     card_description=(
         "EAGLE-3 (Li et al. 2025) fuses three hidden states of the target (low, mid and high layers) and runs one "
-        "decoder layer on them together with the embedding of the next token; it drafts a chain token by token, "
+        "decoder layer (or a stack of them, `num_hidden_layers`) on them together with the embedding of the next token; it drafts a chain token by token, "
         "feeding its own hidden state back, and is trained with training-time test (its own drafts as inputs)."
     ),
     default=True,

@@ -14,7 +14,7 @@ class Eagle3Config(DecoderDrafterConfig):
     r"""Configuration of :class:`Eagle3ForDrafting` (EAGLE-3, Li et al. 2025, arXiv 2503.01840).
 
     The drafter fuses three target hidden states (low, mid, high) with ``fc`` (``3·target_hidden_size → hidden_size``),
-    then runs one Llama-style decoder layer on ``[RMSNorm(embedding of the next token); RMSNorm(fused feature)]``
+    then runs one Llama-style decoder layer (or ``num_hidden_layers``) on ``[RMSNorm(embedding of the next token); RMSNorm(fused feature)]``
     and predicts the token after next through its own LM head over a (possibly reduced) draft vocabulary.
 
     ``target_layer_ids`` follow hf_specdec's convention (``output_hidden_states[j]``, 0 = embeddings, ``i + 1`` =
@@ -24,6 +24,10 @@ class Eagle3Config(DecoderDrafterConfig):
     Ids are clamped to ``[1, L]`` for very shallow targets.
 
     Args:
+        num_hidden_layers (`int`, defaults to 1): draft decoder layers. The first reads
+            ``[embedding; feature]``; each further one is a plain pre-norm Llama layer on the output of the one
+            before (vLLM's ``layers.{i}``, hf_specdec's ``upper_layers.{i - 1}``); the last one's output is what a
+            draft step hands on. One layer is the published EAGLE-3 drafter.
         hidden_size (`int`): width of the draft layer; must equal ``target_hidden_size`` because the draft layer
             consumes the target's token embeddings.
         intermediate_size (`int`): MLP width of the draft layer.
@@ -58,6 +62,7 @@ class Eagle3Config(DecoderDrafterConfig):
     norm_feedback: bool = False
     fc_norm: bool = False
     norm_before_fc: bool = False
+    num_hidden_layers: int = 1
     num_draft_tokens: int = 5
     ttt_steps: int | None = None  # training: draft steps unrolled in the loss (None: num_draft_tokens)
     ttt_decay: float = 0.8  # training: weight ttt_decay**j of step j in the loss
@@ -69,6 +74,12 @@ class Eagle3Config(DecoderDrafterConfig):
     def validate_drafter(self, require_complete: bool = False) -> None:
         super().validate_drafter(require_complete)
         self.validate_norm_flags()
+        layers = self.num_hidden_layers
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ValueError(
+                f"{type(self).__name__}.num_hidden_layers is the number of draft decoder layers: an integer >= 1, "
+                f"got {layers!r}."
+            )
         if not require_complete and not self.is_bound_to_target_facts:
             return
         validate_decoder_layer(self, "the EAGLE-3 draft layer consumes the target's token embeddings")

@@ -6,14 +6,17 @@
   what SGLang loads. The export runs in SafeAILab's own runtime (``eagle/model/cnets.py``): that runtime loads the
   target's embeddings itself only when the config has no ``target_hidden_size``, and then only from a sharded
   target checkpoint; otherwise it keeps whatever ``embed_tokens.weight`` the drafter file holds (random ones if
-  none). So the export writes ``target_hidden_size`` *and* the target's ``embed_tokens.weight``.
-* ``eagle3-vllm`` (import and export): ``layers.0.*`` instead of ``midlayer.*``, ``d2t`` without ``t2d``.
+  none). So the export writes ``target_hidden_size`` *and* the target's ``embed_tokens.weight``. That runtime has
+  one draft layer: the export refuses deeper drafters.
+* ``eagle3-vllm`` (import and export): ``layers.0.*`` instead of ``midlayer.*``, ``d2t`` without ``t2d``; a drafter
+  with ``num_hidden_layers > 1`` stacks plain layers ``layers.{i}.*`` after it, as vLLM's EAGLE-3 model builds them
+  (hf_specdec's ``upper_layers.{i - 1}``; the ``hidden_norm`` vLLM builds in each of them, unread, is dropped).
 * ``eagle3-modelopt`` (import): NVIDIA ModelOpt exports (``layers.0.*``, ``input_embeds_norm``, ``hidden_norm``,
   ``eagle_lm_head``, no ``t2d``; feature layers in ``eagle_config.eagle_aux_hidden_state_layer_ids``).
 
 Every key of a foreign ``config.json`` is read, known to be inert at inference (metadata: names, token ids, dtypes,
 generation defaults; dropout), or refused: flags that would change the forward pass in a way this drafter does not
-implement (``logit_scale``, sliding windows, more than one draft layer, ModelOpt's layer-norm and parallel-draft
+implement (``logit_scale``, sliding windows, ModelOpt's layer-norm and parallel-draft
 options away from their EAGLE-3 values, ...) and unknown keys raise an error naming them.
 
 The optional norms map to :class:`Eagle3Config` fields: vLLM's ``norm_before_residual``; EAGLE-3.1's ``fc_norm`` (one
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 
@@ -175,8 +179,8 @@ def check_config_keys(config: dict) -> None:
             continue
         problems.append(f"eagle_config.{key}={value!r}" + ("" if key in _NEUTRAL_EAGLE_CONFIG else " (unknown)"))
     layers = config.get("num_hidden_layers", 1)
-    if layers not in (1, None):
-        problems.append(f"num_hidden_layers={layers} (hf_specdec's EAGLE-3 drafter has one draft layer)")
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+        problems.append(f"num_hidden_layers={layers!r} (the number of draft layers: an integer >= 1)")
     if problems:
         raise ValueError(
             "This EAGLE-3 config.json sets flags that change the draft forward pass in ways hf_specdec's EAGLE-3 "
@@ -213,14 +217,26 @@ def _norm_flags(config: dict, vllm_norm_output: bool) -> dict:
     return {**flags, "norm_output": bool(config.get("norm_output", True)), "norm_feedback": False}
 
 
+def _upper_layer_name(key: str) -> str:
+    """vLLM's ``layers.{i}.*`` (``i >= 1``: the plain layers after the first) as hf_specdec's ``upper_layers.{i-1}.*``."""
+    match = re.match(r"layers\.(\d+)\.", key)
+    if match is None or match.group(1) == "0":
+        return key
+    return f"upper_layers.{int(match.group(1)) - 1}." + key[match.end() :]
+
+
 def _renamed(state: dict, renames) -> dict:
     """The state dict under hf_specdec's names: layout prefixes renamed, the target's embeddings and a zero fc bias
-    dropped (the embeddings are bound at generation time; hf_specdec's fc has no bias)."""
+    dropped (the embeddings are bound at generation time; hf_specdec's fc has no bias), and the ``hidden_norm`` that
+    vLLM builds in every draft layer but reads in the first only."""
     weights = {}
     for key, value in state.items():
         for old, new in renames:
             if key.startswith(old):
                 key = new + key[len(old) :]
+        key = _upper_layer_name(key)
+        if key.startswith("upper_layers.") and key.endswith(".hidden_norm.weight"):
+            continue
         weights[key] = value
     if "hidden_norm.weight" in weights and "midlayer.hidden_norm.weight" not in weights:
         weights["midlayer.hidden_norm.weight"] = weights.pop("hidden_norm.weight")
@@ -232,21 +248,28 @@ def _renamed(state: dict, renames) -> dict:
     return weights
 
 
-def _check_tensor_names(weights: dict, norms: dict, n_feats: int) -> None:
+def _check_tensor_names(weights: dict, norms: dict, n_feats: int, layers: int) -> None:
     """Refuses missing tensors and tensors the drafter would not use, naming them (and the flag behind a norm)."""
     required = ["fc.weight", "norm.weight", "lm_head.weight"] + [f"midlayer.{k}" for k in _LAYER_KEYS]
+    upper_keys = [k for k in _LAYER_KEYS if k != "hidden_norm.weight"]
+    required += [f"upper_layers.{i}.{k}" for i in range(layers - 1) for k in upper_keys]
     if norms["fc_norm"]:
         required += [f"fc_norm.{i}.weight" for i in range(n_feats)]
     if norms["norm_before_fc"]:
         required.append("input_norm.weight")
     missing = [k for k in required if k not in weights]
     if missing:
-        raise ValueError(f"The EAGLE-3 checkpoint is missing tensors {missing}; it cannot be imported.")
+        hint = ""
+        if any(k.startswith("upper_layers.") for k in missing):
+            hint = f" Its config.json says num_hidden_layers={layers}; the tensors hold fewer draft layers."
+        raise ValueError(f"The EAGLE-3 checkpoint is missing tensors {missing[:8]}; it cannot be imported.{hint}")
     unknown = sorted(set(weights) - set(required) - {"d2t", "t2d"})
     if unknown:
         hint = ""
         if any(k.startswith(("fc_norm.", "input_norm.")) for k in unknown):
             hint = " Its config.json does not set the flag (fc_norm / norm_before_fc) that uses them: set it."
+        if any(k.startswith("upper_layers.") for k in unknown):
+            hint += f" Its config.json says num_hidden_layers={layers}; the tensors hold more draft layers: fix it."
         raise ValueError(f"The EAGLE-3 checkpoint has tensors hf_specdec does not know: {unknown[:8]}.{hint}")
 
 
@@ -332,7 +355,8 @@ def load_eagle3(
     depth = target.get("num_hidden_layers") or (config.get("hf_specdec") or {}).get("target_num_hidden_layers")
     n_feats, layer_ids = _feature_layers(config, weights["fc.weight"].shape[1], target_hidden, depth, feature_ids)
     norms = _norm_flags(config, vllm_norm_output)
-    _check_tensor_names(weights, norms, n_feats)
+    layers = int(config.get("num_hidden_layers") or 1)
+    _check_tensor_names(weights, norms, n_feats, layers)
     vocab = int(config.get("vocab_size") or target.get("vocab_size") or 0)
     draft_vocab = int(config.get("draft_vocab_size") or weights["lm_head.weight"].shape[0])
     _check_target_facts(target, target_hidden, vocab)
@@ -358,6 +382,7 @@ def load_eagle3(
         rope_scaling_parameters=rope_scaling,
         max_position_embeddings=max_pos,
         attention_bias=bool(config.get("attention_bias", False)),
+        num_hidden_layers=layers,
         **norms,
     )
     model = Eagle3ForDrafting(cfg)
@@ -384,7 +409,7 @@ def eagle3_config_dict(drafter: Eagle3ForDrafting, with_t2d: bool) -> dict:
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": cfg.num_hidden_layers,
         "vocab_size": cfg.target_vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
@@ -445,6 +470,8 @@ def _check_safeailab_runtime(drafter: Eagle3ForDrafting) -> None:
     if cfg.target_layer_ids is not None and cfg.target_num_hidden_layers is not None:
         if list(cfg.target_layer_ids) != Eagle3Config.default_target_layer_ids(cfg.target_num_hidden_layers):
             problems.append(f"target_layer_ids {cfg.target_layer_ids} (SafeAILab's runtime reads the default layers)")
+    if cfg.num_hidden_layers > 1:
+        problems.append(f"{cfg.num_hidden_layers} draft layers (its EAGLE-3 model has one, `midlayer`)")
     if problems:
         raise ValueError(
             "This drafter cannot run in SafeAILab EAGLE's runtime, which the 'eagle3' layout targets: "
@@ -459,14 +486,18 @@ def _safeailab_rope_scaling(cfg: Eagle3Config) -> dict | None:
 
 
 def eagle3_tensors(drafter: Eagle3ForDrafting, layer_prefix: str, maps: tuple[str, ...], target=None) -> dict:
-    """The drafter's tensors with the draft layer under ``layer_prefix``, of the vocabulary maps only ``maps``
-    (``d2t`` / ``t2d``); with ``target``, the target's token embeddings too."""
+    """The drafter's tensors with the first draft layer under ``layer_prefix`` (the layers after it, if any, as
+    vLLM's ``layers.{i}``), of the vocabulary maps only ``maps`` (``d2t`` / ``t2d``); with ``target``, the target's
+    token embeddings too."""
     tensors = {}
     for key, value in drafter.state_dict().items():
         if key in ("d2t", "t2d") and key not in maps:
             continue
         if key.startswith("midlayer."):
             key = layer_prefix + key[len("midlayer.") :]
+        match = re.match(r"upper_layers\.(\d+)\.", key)
+        if match is not None:
+            key = f"layers.{int(match.group(1)) + 1}." + key[match.end() :]
         tensors[key] = value
     return {**tensors, **target_embedding(drafter, target)}
 

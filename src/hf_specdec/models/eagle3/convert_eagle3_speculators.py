@@ -143,7 +143,7 @@ def save_eagle3_speculators(drafter: Eagle3ForDrafting, out_dir: str, target=Non
     }
     if cfg.target_layer_ids is not None:
         fields["eagle_aux_hidden_state_layer_ids"] = [int(i) for i in cfg.target_layer_ids]
-    layer = layer_config_dict("llama", cfg, num_hidden_layers=1, mlp_bias=False)
+    layer = layer_config_dict("llama", cfg, num_hidden_layers=cfg.num_hidden_layers, mlp_bias=False)
     config = speculators_config_dict(KIND, ["Eagle3Speculator"], layer, fields, drafter, target)
     maps = ("d2t", "t2d") if drafter.reduced_vocabulary else ()  # speculators has no maps for a full vocabulary
     write_checkpoint(out_dir, config, eagle3_tensors(drafter, "layers.0.", maps, target))

@@ -1,12 +1,14 @@
 """EAGLE-3 drafter (Li et al. 2025, arXiv 2503.01840), written for hf_specdec's proposal interface.
 
 Data flow for one slot: the target state at position ``p`` (three fused layers, see :class:`Eagle3Config`) and the
-embedding of the token at ``p + 1`` go through one decoder layer; the layer output ``h_p`` predicts the token at
-``p + 2`` and, for deeper draft steps, replaces the fused target feature (it is fed back through ``hidden_norm``).
+embedding of the token at ``p + 1`` go through one decoder layer (and ``num_hidden_layers - 1`` plain layers after it);
+the output ``h_p`` predicts the token at ``p + 2`` and, for deeper draft steps, replaces the fused target feature (it
+is fed back through ``hidden_norm``).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +16,15 @@ from torch import nn
 from transformers.modeling_outputs import ModelOutput
 
 from ...feature_drafting import FeatureAutoregressiveMixin, FeatureDraftState
-from ...layers import DraftAttention, GatedMLP, RMSNorm, RotaryEmbedding, SlotKVCache
+from ...layers import (
+    DraftAttention,
+    DraftDecoderLayer,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    SlotKVCache,
+    SlotKVCaches,
+)
 from ...modeling_utils import DrafterPreTrainedModel, depthwise_distillation_loss
 from .configuration_eagle3 import Eagle3Config
 
@@ -52,6 +62,12 @@ class Eagle3DecoderLayer(nn.Module):
         hidden = residual + self.self_attn(x, cos, sin, cache, valid, attn_mask=attn_mask)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
+    def ttt(self, embeds, hidden, cos, sin, key_valid, prev_kv: list):
+        """The layer in one training-time-test step (see :meth:`~hf_specdec.layers.DraftAttention.ttt`)."""
+        x, residual = self.attention_input(embeds, hidden)
+        hidden = residual + self.self_attn.ttt(x, cos, sin, key_valid, prev_kv)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
 
 @dataclass
 class Eagle3Output(ModelOutput):
@@ -71,7 +87,9 @@ Eagle3DraftState = FeatureDraftState  # the state of the shared feature-autoregr
 
 
 class Eagle3ForDrafting(FeatureAutoregressiveMixin, DrafterPreTrainedModel):
-    """EAGLE-3 drafter: fused low/mid/high target features, one decoder layer, optional reduced vocabulary.
+    """EAGLE-3 drafter: fused low/mid/high target features, one decoder layer (``midlayer``; with
+    ``num_hidden_layers > 1`` plain layers ``upper_layers`` after it, each with its own KV cache), optional reduced
+    vocabulary.
 
     The token embeddings are borrowed from the target at :meth:`bind_target` time and never saved. With a reduced
     draft vocabulary (``draft_vocab_size < target_vocab_size``), buffer ``d2t`` maps draft id ``i`` to target id
@@ -88,7 +106,7 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, DrafterPreTrainedModel):
     borrows_target_embeddings = True
     lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc")
     loss_kwargs = ("steps", "decay")  # TTT steps and their decay (defaults: config.ttt_steps / ttt_decay)
-    _no_split_modules = ["Eagle3DecoderLayer"]
+    _no_split_modules = ["Eagle3DecoderLayer", "DraftDecoderLayer"]
 
     def __init__(self, config: Eagle3Config):
         super().__init__(config)
@@ -101,6 +119,8 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, DrafterPreTrainedModel):
             self.fc_norm = nn.ModuleList([RMSNorm(width, config.rms_norm_eps) for _ in range(n_feats)])
         self.fc = nn.Linear(n_feats * width, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
+        if config.num_hidden_layers > 1:
+            self.upper_layers = nn.ModuleList(DraftDecoderLayer(config) for _ in range(config.num_hidden_layers - 1))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.rotary_emb = RotaryEmbedding(
@@ -145,9 +165,32 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, DrafterPreTrainedModel):
         ``norm_feedback`` (EAGLE-3.1's post-norm feedback)."""
         return self.norm(hidden) if self.config.norm_feedback else hidden
 
-    def draft_layer(self, embeds, hidden, cos, sin, cache: SlotKVCache, valid, attn_mask=None, step=None):
-        """The draft decoder layer on token embeddings and features (fused target features or its own outputs)."""
-        return self.layer_output(self.midlayer(embeds, hidden, cos, sin, cache, valid, attn_mask=attn_mask))
+    @property
+    def draft_layers(self) -> list[nn.Module]:
+        """The draft decoder layers in order: ``midlayer``, then ``upper_layers``."""
+        return [self.midlayer, *getattr(self, "upper_layers", ())]
+
+    def new_draft_cache(self) -> SlotKVCache | SlotKVCaches:
+        """One slot cache per draft layer (a bare :class:`~hf_specdec.layers.SlotKVCache` for one layer)."""
+        return SlotKVCache() if self.config.num_hidden_layers == 1 else SlotKVCaches(self.config.num_hidden_layers)
+
+    def layer_caches(self, cache: SlotKVCache | SlotKVCaches) -> list[SlotKVCache]:
+        """The per-layer caches of ``cache`` (from :meth:`new_draft_cache`); refuses one shaped for another depth."""
+        caches = cache.caches if isinstance(cache, SlotKVCaches) else [cache]
+        if len(caches) != self.config.num_hidden_layers:
+            raise ValueError(
+                f"{type(self).__name__} has {self.config.num_hidden_layers} draft layers but got a cache for "
+                f"{len(caches)}: pass `drafter.new_draft_cache()` (or no cache)."
+            )
+        return caches
+
+    def draft_layer(self, embeds, hidden, cos, sin, cache, valid, attn_mask=None, step=None):
+        """The draft decoder layers on token embeddings and features (fused target features or their own outputs)."""
+        caches = self.layer_caches(cache)
+        hidden = self.midlayer(embeds, hidden, cos, sin, caches[0], valid, attn_mask=attn_mask)
+        for layer, own in zip(self.draft_layers[1:], caches[1:]):
+            hidden = layer(hidden, cos, sin, own, valid, attn_mask=attn_mask)
+        return self.layer_output(hidden)
 
     def forward(
         self,
@@ -171,7 +214,7 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, DrafterPreTrainedModel):
             position_ids: ``(batch, seq)``; defaults to ``0..seq-1``.
             attention_mask: ``(batch, seq)`` 1 for real tokens, 0 for padding.
             inputs_embeds: precomputed token embeddings instead of ``input_ids``.
-            cache: a :class:`~hf_specdec.layers.SlotKVCache` to extend (a fresh one if ``None``).
+            cache: the cache of :meth:`new_draft_cache` to extend (a fresh one if ``None``).
         """
         if (target_hidden_states is None) == (hidden_states is None):
             raise ValueError("Pass exactly one of `target_hidden_states` or `hidden_states`.")
@@ -188,8 +231,31 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, DrafterPreTrainedModel):
             if attention_mask is None
             else attention_mask.to(hidden.device).bool()
         )
-        out, logits = self._step(inputs_embeds.to(hidden.dtype), hidden, position_ids, valid, cache or SlotKVCache())
+        cache = self.new_draft_cache() if cache is None else cache
+        out, logits = self._step(inputs_embeds.to(hidden.dtype), hidden, position_ids, valid, cache)
         return Eagle3Output(logits=logits, hidden_states=out)
+
+    @torch.no_grad()
+    def with_draft_layers(self, num_hidden_layers: int) -> Eagle3ForDrafting:
+        """A deeper copy of this drafter that drafts exactly as it does until trained: every weight is copied, and
+        each added layer starts with zero ``o_proj`` and ``down_proj``, so it passes its input through unchanged.
+        The copy is unbound (bind it, or let the trainer bind it, to a target). Growing a trained drafter this way
+        starts the deeper one at the trained one's acceptance instead of from scratch."""
+        if num_hidden_layers < self.config.num_hidden_layers:
+            raise ValueError(
+                f"with_draft_layers adds layers: this drafter has {self.config.num_hidden_layers}, asked for "
+                f"{num_hidden_layers}. Train a new drafter for fewer layers."
+            )
+        config = copy.deepcopy(self.config)
+        config.num_hidden_layers = num_hidden_layers
+        deeper = type(self)(config).to(device=self.device, dtype=self.dtype)
+        deeper.load_state_dict(self.state_dict(), strict=False)  # a superset: only the added layers are missing
+        for layer in deeper.draft_layers[self.config.num_hidden_layers :]:
+            for out_proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                nn.init.zeros_(out_proj.weight)
+                if out_proj.bias is not None:
+                    nn.init.zeros_(out_proj.bias)
+        return deeper
 
     # ------------------------------------------------------------------------------------------------------------
     # training: training-time test (TTT)
@@ -201,16 +267,11 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, DrafterPreTrainedModel):
         (see :meth:`~hf_specdec.DrafterPreTrainedModel.init_output_from_target`)."""
         self.init_output_from_target(target, self.lm_head, self.norm if self.config.norm_output else None)
 
-    def _ttt_attention(self, x, position_ids, key_valid, prev_kv):
-        """Attention of one TTT step (see :meth:`~hf_specdec.layers.DraftAttention.ttt`)."""
-        cos, sin = self.rotary_emb(position_ids, x.dtype)
-        return self.midlayer.self_attn.ttt(x, cos, sin, key_valid, prev_kv)
-
     def ttt_forward(self, input_ids, target_hidden_states, attention_mask=None, steps: int | None = None):
         """Unrolls ``steps`` draft steps over a sequence (training-time test).
 
         Step 0 reads the fused target features; step ``j`` reads the draft's own step ``j - 1`` output at the same
-        anchor and the teacher-forced token ``input_ids[t + 1 + j]``. Step ``j`` at anchor ``t`` predicts the token
+        anchor and the teacher-forced token ``input_ids[t + 1 + j]``. Each draft layer attends to its own keys. Step ``j`` at anchor ``t`` predicts the token
         at ``t + 2 + j`` and sits at position ``t + j`` (as the ``j``-th drafted slot does at inference).
 
         Returns:
@@ -227,16 +288,18 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, DrafterPreTrainedModel):
         positions = torch.arange(t, device=input_ids.device)[None].expand(bsz, t)
         hidden = self.fuse_target_features(target_hidden_states)
         embeds_all = self.embed_target_tokens(input_ids).to(hidden.dtype)
-        layer = self.midlayer
-        prev_kv: list = []
+        valid = valid.to(hidden.device)
+        prev_kv: list[list] = [[] for _ in self.draft_layers]  # per layer: (k, v) of each step so far
         outputs = []
         for j in range(steps):
             # token at t + 1 + j, shifted left; the tail is padded with the last token (masked by the caller)
             shift = min(1 + j, t)
             emb = torch.cat([embeds_all[:, shift:], embeds_all[:, -1:].expand(bsz, shift, -1)], dim=1)
-            x, residual = layer.attention_input(emb, hidden)
-            hidden = residual + self._ttt_attention(x, positions + j, valid.to(x.device), prev_kv)
-            hidden = self.layer_output(hidden + layer.mlp(layer.post_attention_layernorm(hidden)))
+            cos, sin = self.rotary_emb(positions + j, hidden.dtype)
+            hidden = self.midlayer.ttt(emb, hidden, cos, sin, valid, prev_kv[0])
+            for layer, kv in zip(self.draft_layers[1:], prev_kv[1:]):
+                hidden = layer.ttt(hidden, cos, sin, valid, kv)
+            hidden = self.layer_output(hidden)
             outputs.append((self.draft_logits(hidden), hidden))
         return outputs
 

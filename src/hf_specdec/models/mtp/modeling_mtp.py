@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ...feature_drafting import FeatureAutoregressiveMixin, FeatureDraftState
-from ...layers import DraftDecoderLayer, RMSNorm, RotaryEmbedding, SlotKVCache
+from ...layers import DraftDecoderLayer, RMSNorm, RotaryEmbedding, SlotKVCache, SlotKVCaches
 from ...modeling_utils import DrafterPreTrainedModel, depthwise_distillation_loss
 from .configuration_mtp import MtpConfig
 
@@ -50,28 +50,7 @@ class MtpModule(nn.Module):
         return k, v
 
 
-class MtpCaches:
-    """One :class:`~hf_specdec.layers.SlotKVCache` per module. Every module holds the same verified slots (so
-    ``length``, ``valid``, ``crop`` and ``compact`` agree across them); draft slots go to the module that drafted."""
-
-    def __init__(self, num_modules: int):
-        self.caches = [SlotKVCache() for _ in range(num_modules)]
-
-    @property
-    def length(self) -> int:
-        return self.caches[0].length
-
-    @property
-    def valid(self) -> torch.Tensor | None:
-        return self.caches[0].valid
-
-    def crop(self, length: int) -> None:
-        for cache in self.caches:
-            cache.crop(length)
-
-    def compact(self, min_waste: int = 16, min_share: float = 0.1) -> bool:
-        done = [cache.compact(min_waste, min_share) for cache in self.caches]
-        return done[0]
+MtpCaches = SlotKVCaches  # one cache per module; a drafted slot goes to the module that drafted it
 
 
 class MtpForDrafting(FeatureAutoregressiveMixin, DrafterPreTrainedModel):
@@ -159,9 +138,7 @@ class MtpForDrafting(FeatureAutoregressiveMixin, DrafterPreTrainedModel):
                 context[index] = [] if j == 0 else [module.context_kv(next_tokens(0), feats, cos0, sin0)]
             x = module.project(next_tokens(j), hidden)
             cos, sin = self.rotary_emb(positions + j, x.dtype)
-            block = module.mtp_block
-            x = x + block.self_attn.ttt(block.input_layernorm(x), cos, sin, valid, context[index])
-            hidden = module.post_norm(x + block.mlp(block.post_attention_layernorm(x)))
+            hidden = module.post_norm(module.mtp_block.ttt(x, cos, sin, valid, context[index]))
             outs.append(self.draft_logits(hidden))
         return outs
 
