@@ -225,6 +225,14 @@ def _upper_layer_name(key: str) -> str:
     return f"upper_layers.{int(match.group(1)) - 1}." + key[match.end() :]
 
 
+def _vllm_layer_name(key: str) -> str:
+    """hf_specdec's ``upper_layers.{i}.*`` as vLLM's ``layers.{i+1}.*`` (the inverse of :func:`_upper_layer_name`)."""
+    match = re.match(r"upper_layers\.(\d+)\.", key)
+    if match is None:
+        return key
+    return f"layers.{int(match.group(1)) + 1}." + key[match.end() :]
+
+
 def _renamed(state: dict, renames) -> dict:
     """The state dict under hf_specdec's names: layout prefixes renamed, the target's embeddings and a zero fc bias
     dropped (the embeddings are bound at generation time; hf_specdec's fc has no bias), and the ``hidden_norm`` that
@@ -495,10 +503,7 @@ def eagle3_tensors(drafter: Eagle3ForDrafting, layer_prefix: str, maps: tuple[st
             continue
         if key.startswith("midlayer."):
             key = layer_prefix + key[len("midlayer.") :]
-        match = re.match(r"upper_layers\.(\d+)\.", key)
-        if match is not None:
-            key = f"layers.{int(match.group(1)) + 1}." + key[match.end() :]
-        tensors[key] = value
+        tensors[_vllm_layer_name(key)] = value
     return {**tensors, **target_embedding(drafter, target)}
 
 
