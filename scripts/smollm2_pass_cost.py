@@ -15,10 +15,17 @@ Writes ``model_cards/results/smollm2-pass-cost.{json,md}``.
 ``--layouts stock weight-first`` also times every ``nn.Linear`` computed as ``W @ x^T`` (a single row padded to two)
 instead of ``F.linear``'s ``x @ W^T``: the same product through another of the BLAS library's kernels. On this AMD
 CPU MKL's fp32 kernels for one to a few rows are slow, and which layout is faster depends on the rows; the table
-shows what a pass would cost with each (a diagnostic: the library's loop runs the target's own layers unchanged)::
+shows what a pass would cost with each (a diagnostic)::
 
     python scripts/smollm2_pass_cost.py --dtypes float32 --layouts stock weight-first \
         --results model_cards/results/smollm2-pass-cost-layouts
+
+``--layouts packed`` times the target with its weights packed for MKL once
+(:func:`hf_specdec.cpu_kernels.pack_linear_weights`, what ``hf-specdec demo`` and ``bench`` do for an fp32 target
+on a CPU)::
+
+    python scripts/smollm2_pass_cost.py --dtypes float32 --layouts stock packed \
+        --results model_cards/results/smollm2-pass-cost-packed
 """
 
 from __future__ import annotations
@@ -71,8 +78,14 @@ def _weight_first(self, x):
 
 @contextlib.contextmanager
 def linear_layout(model, layout: str):
-    """Every plain ``nn.Linear`` of ``model`` computes in ``layout``: ``"stock"`` (``F.linear``) or
-    ``"weight-first"`` (``W @ x^T``)."""
+    """Every plain ``nn.Linear`` of ``model`` computes in ``layout``: ``"stock"`` (``F.linear``), ``"weight-first"``
+    (``W @ x^T``) or ``"packed"`` (:func:`hf_specdec.cpu_kernels.pack_linear_weights`)."""
+    if layout == "packed":
+        from hf_specdec.cpu_kernels import pack_linear_weights
+
+        with pack_linear_weights(model):
+            yield
+        return
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear] if layout == "weight-first" else []
     for m in linears:
         m.forward = types.MethodType(_weight_first, m)
@@ -84,13 +97,18 @@ def linear_layout(model, layout: str):
 
 
 @torch.no_grad()
-def layout_logit_difference(target, context: int, width: int) -> float:
-    """The largest difference between the two layouts' logits over a pass of ``width`` tokens (relative to the
-    logits' largest magnitude)."""
-    x = torch.randint(100, 20000, (1, context + width))
-    stock = target(x).logits
-    with linear_layout(target, "weight-first"):
-        other = target(x).logits
+def layout_logit_difference(target, context: int, width: int, layout: str) -> float:
+    """The largest difference between the stock layout's logits and ``layout``'s over a cached pass of ``width``
+    tokens after ``context`` (relative to the logits' largest magnitude)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.config)
+    target(torch.randint(100, 20000, (1, context)), cache=cache, use_cache=True)
+    x = torch.randint(100, 20000, (1, width))
+    stock = target(x, cache=cache, use_cache=True).logits
+    cache.crop(-width)
+    with linear_layout(target, layout):
+        other = target(x, cache=cache, use_cache=True).logits
     return float((stock - other).abs().max() / stock.abs().max())
 
 
@@ -113,11 +131,11 @@ def markdown(result: dict) -> str:
             + " | ".join(cells)
             + f" | {row['step_ms']:.0f} ms |"
         )
-    if "layout_logit_difference" in result:
-        lines += [
-            "",
-            f"Largest logit difference between the layouts (fp32, relative): {result['layout_logit_difference']:.1e}.",
-        ]
+    differences = result.get("layout_logit_difference") or {}
+    if not isinstance(differences, dict):  # results written before the packed layout: weight-first only
+        differences = {"weight-first": differences}
+    for layout, difference in differences.items():
+        lines += ["", f"Largest logit difference from the stock layout, {layout} (fp32, relative): {difference:.1e}."]
     return "\n".join(lines) + "\n"
 
 
@@ -127,7 +145,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 6, 11])
     p.add_argument("--context", type=int, default=400)
-    p.add_argument("--layouts", nargs="+", default=["stock"], choices=["stock", "weight-first"])
+    p.add_argument("--layouts", nargs="+", default=["stock"], choices=["stock", "weight-first", "packed"])
     p.add_argument("--calls", type=int, default=9)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--results", default="model_cards/results/smollm2-pass-cost")
@@ -166,8 +184,12 @@ def main(argv=None):
         "widths": args.widths,
         "rows": rows,
     }
-    if "weight-first" in args.layouts and "float32" in targets:
-        result["layout_logit_difference"] = layout_logit_difference(targets["float32"], args.context, args.widths[-1])
+    others = [layout for layout in args.layouts if layout != "stock"]
+    if others and "float32" in targets:
+        result["layout_logit_difference"] = {
+            layout: layout_logit_difference(targets["float32"], args.context, args.widths[-1], layout)
+            for layout in others
+        }
     write_results(args.results, result, markdown(result))
 
 

@@ -160,13 +160,16 @@ def test_bench_and_demo_commands(tmp_path, monkeypatch):
             assert key in rec
     assert (out / "bench.md").read_text().count("|") > 10
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert report["config"]["linear_kernels"].startswith("packed (")  # the default, for every method alike
 
     # the demo drafts every pass here (its adaptive length reads the clock and may run plain steps on a loaded machine)
     adaptive = runner.drafter_method
     monkeypatch.setattr(runner, "drafter_method", lambda *a, **k: adaptive(*a, **{"draft_length": "fixed", **k}))
-    rc = main(["demo", "--target", "demo-code", "--prompts", "1", "--max-new-tokens", "8", "--out", str(tmp_path)])
+    rc = main(["demo", "--target", "demo-code", "--prompts", "1", "--max-new-tokens", "8", "--out", str(tmp_path),
+               "--linear-kernels", "stock"])  # fmt: skip
     assert rc == 0
     summary = json.loads((tmp_path / "demo_report.json").read_text())
+    assert summary["report"]["config"]["linear_kernels"] == "stock"
     for key in ("speedup", "mean_accepted_length", "identical", "tokens_per_s_plain", "tokens_per_s_speculative"):
         assert key in summary
     assert summary["target"] == "demo-code" and summary["report"]["config"]["target"] == "hf_specdec demo-target"

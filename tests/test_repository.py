@@ -34,6 +34,7 @@ LAYERS = {
     "layers": TYPES,
     "features": TYPES,
     "text_files": TYPES,
+    "cpu_kernels": TYPES,
     "modeling_utils": CORE,
     "heads": CORE,
     "feature_drafting": CORE,

@@ -305,6 +305,7 @@ def run_demo(
     progress: bool = True,
     target: str = DEFAULT_DEMO_TARGET,
     dtype: str = "float32",
+    linear_kernels: str = "packed",
 ) -> dict:
     """Plain ``generate`` against speculative decoding with a demo target's drafter (greedy, batch size 1).
 
@@ -313,6 +314,8 @@ def run_demo(
     default). ``drafter_path`` replaces the packaged drafter; ``train`` (code model only) first retrains it.
     ``dtype`` is the target's (``"float32"``, where greedy outputs must be identical, or ``"bfloat16"`` /
     ``"float16"``, where they may differ from plain decoding at classified near-ties only: ``identical_up_to_near_ties``).
+    ``linear_kernels`` is :func:`~hf_specdec.bench.runner.run_benchmark`'s (``"packed"``: an fp32 target's CPU
+    linear layers use MKL-packed weights for multi-token passes during the timed runs, plain and speculative alike).
 
     Prints a table (and the per-category table when the prompts have several categories) and an example output,
     writes ``demo_report.json`` and ``demo_report.png`` to ``out_dir`` and returns the summary: ``target``,
@@ -358,6 +361,7 @@ def run_demo(
         warmup=1,
         repeats=repeats,
         progress=progress,
+        linear_kernels=linear_kernels,
         config={
             "target": spec.title,
             "drafter": f"hf_specdec {os.path.basename(spec.drafter)}" if packaged else drafter_path,

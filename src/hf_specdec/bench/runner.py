@@ -69,6 +69,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from ..cpu_kernels import linear_kernels_for
 from .prompts import PromptItem, render_prompt
 
 __all__ = [
@@ -437,6 +438,7 @@ def run_benchmark(
     scorer=None,
     schemas: dict[str, dict] | None = None,
     schema_options: dict | None = None,
+    linear_kernels: str = "packed",
 ) -> dict:
     """Runs every method on every prompt, interleaved, and returns a report (see :mod:`hf_specdec.bench.report`).
 
@@ -462,18 +464,23 @@ def run_benchmark(
             under it: a fresh :class:`~hf_specdec.GrammarLogitsProcessor` per ``generate`` call, through xgrammar).
         schema_options: xgrammar's options for compiling them (e.g. ``{"any_whitespace": False, "indent": 2}``: a
             fixed layout, whose newlines, indentation and keys the grammar then forces); recorded in the config.
+        linear_kernels: ``"packed"`` (default): for the run, the target's fp32 CPU linear layers compute passes over
+            2–64 rows with pre-packed MKL weights, for every method alike (:mod:`hf_specdec.cpu_kernels`; one-row
+            steps are unchanged); ``"stock"``: the target as it is. The config records which, and how many layers.
     """
     _check_arguments(prompts, methods, max_new_tokens, repeats, warmup, batch_sizes, temperatures)
-    grammars = _SchemaGrammars(schemas, tokenizer, target, schema_options) if schemas else None
-    bench = _Benchmark(target, tokenizer, methods, prompts, max_new_tokens, top_p, max_prompt_tokens, grammars)
-    settings = [(t, b) for t in temperatures for b in batch_sizes]
-    load_record = bench.time_all(settings, warmup, repeats, seed, progress)
-    bench.score_approximate_methods()
-    if scorer is not None:
-        bench.score_task(scorer)
-    bench.classify_greedy_mismatches(settings)
-    records = _build_records(bench.results, bench.skipped, settings, bench.batches_of, prompts, bench.methods,
-                             bench.plain_name, bench.reference_of, _is_half(bench.rounding_dtype))  # fmt: skip
+    with linear_kernels_for(target, linear_kernels) as packed:
+        packed_layers = len(packed)
+        grammars = _SchemaGrammars(schemas, tokenizer, target, schema_options) if schemas else None
+        bench = _Benchmark(target, tokenizer, methods, prompts, max_new_tokens, top_p, max_prompt_tokens, grammars)
+        settings = [(t, b) for t in temperatures for b in batch_sizes]
+        load_record = bench.time_all(settings, warmup, repeats, seed, progress)
+        bench.score_approximate_methods()
+        if scorer is not None:
+            bench.score_task(scorer)
+        bench.classify_greedy_mismatches(settings)
+        records = _build_records(bench.results, bench.skipped, settings, bench.batches_of, prompts, bench.methods,
+                                 bench.plain_name, bench.reference_of, _is_half(bench.rounding_dtype))  # fmt: skip
     report_config = {
         "target": str(getattr(target, "name_or_path", "") or type(target).__name__),
         "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
@@ -490,6 +497,7 @@ def run_benchmark(
         "categories": sorted({item.category for item in prompts}),
         "max_prompt_tokens": max_prompt_tokens,
         "methods": _describe_methods(bench.methods, bench.reference_of, bench.plain_name),
+        "linear_kernels": f"packed ({packed_layers} layers)" if packed_layers else "stock",
     }
     if schema_options:
         report_config["schema_options"] = dict(schema_options)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .common import add_linear_kernels_flag
+
 
 def _demo(args) -> int:
     from ..demo import run_demo
@@ -22,6 +24,7 @@ def _demo(args) -> int:
         drafter_path=args.drafter,
         target=args.target,
         dtype=args.dtype,
+        linear_kernels=args.linear_kernels,
     )
     return 0 if summary["identical_up_to_near_ties"] else 1
 
@@ -61,6 +64,7 @@ def add_parsers(sub) -> None:
     )
     p.add_argument("--out", default=".", help="folder for demo_report.json / .png")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_linear_kernels_flag(p)
     p.add_argument(
         "--train",
         action="store_true",

@@ -1,0 +1,164 @@
+"""Cheaper verification passes on CPUs: a target's fp32 linear layers computed with pre-packed MKL weights.
+
+A verification pass runs the target over a few new tokens (K + 1 for a chain of K, a few more for a tree). On x86
+CPUs, PyTorch computes ``F.linear`` over one row with a matrix-vector kernel that streams the weight once, but over
+2–64 rows with MKL's general ``sgemm``, which re-packs the whole weight on every call: on a 2-core AMD EPYC a
+SmolLM2-135M pass over 6 tokens costs about 1.6 one-token steps, and most of that is the re-packing
+(``scripts/smollm2_pass_cost.py --layouts stock packed``). Speculative decoding pays only when a pass costs little
+more than a step, so that price decides whether a drafter pays on a CPU.
+
+:func:`pack_linear_weights` packs each fp32 ``nn.Linear`` weight of a model once, in MKL's internal layout
+(``torch.ops.mkl._mkl_reorder_linear_weight``, what ``torch.compile``'s CPU freezing does), and computes passes over
+2 to ``max_rows`` rows with ``torch.ops.mkl._mkl_linear``. A one-row step, a pass over more rows, any call that needs
+gradients, and a layer whose weight was changed or replaced after packing all run the stock ``F.linear``: plain
+decoding's one-token steps are the stock model's, bit for bit, and training never sees a stale copy. Packed and
+stock results differ in the last bits, as any two BLAS kernels do; greedy speculative decoding on a packed target is
+token-identical to plain decoding on the same packed target (``tests/test_cpu_kernels.py``).
+
+The packed copies take as much memory as the weights they copy (a tied embedding / LM head is copied once).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_MAX_ROWS = 64
+PACKING_ROWS_HINT = 24  # the rows MKL lays the packed weight out for; measured best or level from 2 to 64 rows
+
+
+def packed_linears_supported() -> bool:
+    """Whether this PyTorch build has MKL's packed fp32 linear kernels (x86 builds do)."""
+    return bool(torch.backends.mkl.is_available()) and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def _packable(module: torch.nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (
+        type(module) is torch.nn.Linear
+        and weight is not None
+        and weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and not hasattr(module, "_hf_hook")  # accelerate owns this module's forward (offloading, device moves)
+        and "forward" not in module.__dict__
+    )
+
+
+def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+    state = self._hf_specdec_packed
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows < 2 or rows > state.max_rows or not state.current(self.weight, x):
+        return F.linear(x, self.weight, self.bias)
+    out = torch.ops.mkl._mkl_linear(
+        x.reshape(rows, x.shape[-1]).contiguous(), state.packed, self.weight, self.bias, rows
+    )
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class _PackedWeight:
+    """One layer's packed copy and what it was packed from (the weight tensor and its in-place version)."""
+
+    def __init__(self, weight: torch.Tensor, max_rows: int):
+        self.weight = weight
+        self.version = weight._version
+        self.max_rows = max_rows
+        with torch.no_grad():
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), PACKING_ROWS_HINT)
+
+    def current(self, weight: torch.Tensor, x: torch.Tensor) -> bool:
+        """Whether the packed copy may compute this call: the same weight, unchanged, an fp32 input, no gradients
+        or autocast wanted."""
+        return (
+            weight is self.weight
+            and weight._version == self.version
+            and x.dtype == torch.float32
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+            and not torch.is_autocast_enabled("cpu")
+        )
+
+
+class PackedLinears:
+    """The handle :func:`pack_linear_weights` returns: ``len()`` is the number of packed layers, :meth:`restore`
+    (or leaving a ``with`` block) puts the stock ``forward`` back and frees the packed copies."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.modules = modules
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def restore(self) -> None:
+        for module in self.modules:
+            module.__dict__.pop("forward", None)
+            module.__dict__.pop("_hf_specdec_packed", None)
+        self.modules = []
+
+    def __enter__(self) -> PackedLinears:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+
+def pack_linear_weights(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> PackedLinears:
+    """Compute ``model``'s fp32 CPU ``nn.Linear`` layers over 2 to ``max_rows`` rows with pre-packed MKL weights.
+
+    Layers that are not plain ``nn.Linear`` (quantized or adapter layers; a PEFT LoRA layer's base layer is packed),
+    not fp32, not on the CPU, or whose forward accelerate or someone else already replaced are left alone. Use it on
+    the target, for plain and speculative decoding alike: see the module docstring for what runs where.
+
+    Returns:
+        A :class:`PackedLinears` handle (a context manager) that undoes the change.
+
+    Raises:
+        RuntimeError: this PyTorch build has no MKL packed kernels (:func:`packed_linears_supported`), or the packed
+            kernel disagrees with ``F.linear`` on this machine (checked once on a layer of the model).
+        ValueError: ``max_rows`` below 2.
+    """
+    if not packed_linears_supported():
+        raise RuntimeError(
+            "this PyTorch build has no MKL packed linear kernels (torch.ops.mkl._mkl_linear); leave the target's "
+            "layers as they are (an x86 build of torch has them)."
+        )
+    if int(max_rows) < 2:
+        raise ValueError(f"max_rows must be at least 2 (one-row steps always run the stock kernel), got {max_rows}.")
+    modules = [m for m in model.modules() if _packable(m)]
+    for module in modules:
+        module._hf_specdec_packed = _PackedWeight(module.weight, int(max_rows))
+        module.forward = types.MethodType(_packed_forward, module)
+    handle = PackedLinears(modules)
+    if modules:
+        _check_against_stock(modules[0], handle)
+    return handle
+
+
+LINEAR_KERNELS = ("packed", "stock")
+
+
+def linear_kernels_for(model: torch.nn.Module, kernels: str) -> PackedLinears:
+    """``kernels="packed"``: :func:`pack_linear_weights` where this build can (an empty handle where it cannot, or
+    where ``model`` has no fp32 CPU layer); ``"stock"``: nothing packed. What ``hf-specdec bench`` / ``demo`` apply to
+    the target for the length of a run (``--linear-kernels``)."""
+    if kernels not in LINEAR_KERNELS:
+        raise ValueError(f"linear kernels must be one of {', '.join(LINEAR_KERNELS)}, got {kernels!r}.")
+    if kernels == "stock" or not packed_linears_supported():
+        return PackedLinears([])
+    return pack_linear_weights(model)
+
+
+@torch.no_grad()
+def _check_against_stock(module: torch.nn.Module, handle: PackedLinears) -> None:
+    """Refuse a packed kernel that computes something else than ``F.linear`` (over 2, 5 and ``max_rows`` rows)."""
+    generator = torch.Generator().manual_seed(0)
+    for rows in sorted({2, 5, module._hf_specdec_packed.max_rows}):
+        x = torch.randn(rows, module.in_features, generator=generator)
+        expected = F.linear(x, module.weight, module.bias)
+        scale = float(expected.abs().max()) or 1.0
+        if not torch.allclose(module(x), expected, rtol=0, atol=1e-4 * scale):
+            handle.restore()
+            raise RuntimeError(
+                f"MKL's packed linear kernel disagrees with F.linear over {rows} rows on this machine; leave the "
+                "target's layers as they are and report your torch version and CPU."
+            )

@@ -1,0 +1,137 @@
+"""Packed MKL linear kernels for the target's multi-token passes (hf_specdec.cpu_kernels)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import make_oracle, make_target, ragged_batch
+
+from hf_specdec import AutoModelForDrafting, Eagle3Config, cpu_kernels, pack_linear_weights
+from hf_specdec.cpu_kernels import linear_kernels_for
+
+
+def _batch(rows, length, seed):
+    ids, mask = ragged_batch(rows, length=length, seed=seed)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _plain_linears(model):
+    return [m for m in model.modules() if type(m) is torch.nn.Linear]
+
+
+@pytest.fixture
+def mkl_calls(monkeypatch):
+    """Counts the rows of every call that reaches the packed MKL kernel."""
+    calls, real = [], torch.ops.mkl._mkl_linear
+
+    def counting(x, packed, weight, bias, rows):
+        calls.append(rows)
+        return real(x, packed, weight, bias, rows)
+
+    monkeypatch.setattr(torch.ops.mkl, "_mkl_linear", counting)
+    return calls
+
+
+def test_packed_layers_compute_what_linear_computes(mkl_calls):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80)
+    with pack_linear_weights(layer, max_rows=16) as packed:
+        assert len(packed) == 1
+        with torch.no_grad():
+            for shape in [(1, 48), (1, 1, 48), (2, 48), (3, 5, 48), (1, 16, 48), (17, 48), (2, 30, 48)]:
+                x = torch.randn(*shape)
+                expected = F.linear(x, layer.weight, layer.bias)
+                before = len(mkl_calls)
+                out = layer(x)
+                rows = x.numel() // 48
+                assert out.shape == expected.shape
+                if 2 <= rows <= 16:
+                    assert mkl_calls[before:] == [rows]
+                    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+                else:  # one row, or more than max_rows: the stock kernel, bit for bit
+                    assert len(mkl_calls) == before and torch.equal(out, expected)
+    assert "forward" not in layer.__dict__ and not hasattr(layer, "_hf_specdec_packed")
+
+
+def test_greedy_speculative_decoding_on_a_packed_target_is_plain_decoding(mkl_calls):
+    target = make_target(seed=3)
+    prompt = _batch(1, length=12, seed=3)
+    stock = target.generate(**prompt, max_new_tokens=20, do_sample=False)
+    packed = pack_linear_weights(target)
+    assert len(packed) == len(_plain_linears(target)) == 4 * 7 + 1
+    plain = target.generate(**prompt, max_new_tokens=20, do_sample=False)
+    assert torch.equal(plain, stock)
+    oracle = make_oracle(target, plain[:, 12:], corruption=0.3, seed=1)
+    spec = target.generate(**prompt, max_new_tokens=20, do_sample=False, assistant_model=oracle)
+    assert torch.equal(spec, plain)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3)).eval()
+    batch = _batch(2, length=9, seed=4)
+    plain2 = target.generate(**batch, max_new_tokens=16, do_sample=False)
+    mkl_calls.clear()
+    spec2 = target.generate(**batch, max_new_tokens=16, do_sample=False, assistant_model=drafter)
+    assert torch.equal(spec2, plain2)
+    assert mkl_calls, "the verification passes never reached the packed kernel"
+    packed.restore()
+
+
+def test_a_weight_changed_after_packing_is_never_read_stale(mkl_calls):
+    target = make_target(seed=2)
+    x = torch.randint(6, 90, (1, 6))
+    with pack_linear_weights(target):
+        with torch.no_grad():
+            target.model.layers[0].mlp.down_proj.weight.mul_(2.0)  # in place: the tensor's version moves
+            target.model.layers[1].self_attn.q_proj.weight = torch.nn.Parameter(
+                torch.randn_like(target.model.layers[1].self_attn.q_proj.weight)
+            )
+            logits = target(x).logits
+    assert "forward" not in target.model.layers[0].mlp.down_proj.__dict__
+    with torch.no_grad():
+        torch.testing.assert_close(logits, target(x).logits, rtol=1e-5, atol=1e-5)
+    assert mkl_calls, "the unchanged layers should still use the packed kernel"
+
+
+def test_training_through_a_packed_target_gets_the_stock_gradients():
+    target, reference = make_target(seed=5), make_target(seed=5)
+    x = torch.randint(6, 90, (2, 7))
+    with pack_linear_weights(target):
+        target(x, labels=x).loss.backward()
+    reference(x, labels=x).loss.backward()
+    for (name, p), q in zip(target.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_only_plain_fp32_cpu_linears_are_packed():
+    class Custom(torch.nn.Linear):
+        pass
+
+    hooked = torch.nn.Linear(8, 8)
+    hooked._hf_hook = object()  # accelerate owns its forward
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.Linear(8, 8).to(torch.bfloat16), Custom(8, 8), hooked, torch.nn.Linear(8, 4)
+    )
+    handle = pack_linear_weights(model)
+    assert handle.modules == [model[0], model[4]]
+    handle.restore()
+    assert len(handle) == 0 and all("forward" not in m.__dict__ for m in model)
+
+
+def test_bad_options_and_builds_without_the_kernel(monkeypatch):
+    model = torch.nn.Linear(8, 8)
+    with pytest.raises(ValueError, match="max_rows must be at least 2"):
+        pack_linear_weights(model, max_rows=1)
+    with pytest.raises(ValueError, match="packed, stock"):
+        linear_kernels_for(model, "fast")
+    assert len(linear_kernels_for(model, "stock")) == 0
+    with linear_kernels_for(model, "packed") as handle:
+        assert len(handle) == 1
+    monkeypatch.setattr(cpu_kernels, "packed_linears_supported", lambda: False)
+    with pytest.raises(RuntimeError, match="no MKL packed linear kernels"):
+        pack_linear_weights(model)
+    assert len(linear_kernels_for(model, "packed")) == 0
+
+
+def test_a_kernel_that_disagrees_with_linear_is_refused(monkeypatch):
+    model = make_target(seed=1)
+    monkeypatch.setattr(torch.ops.mkl, "_mkl_linear", lambda x, packed, w, b, rows: F.linear(x, w, b) + 1e-2)
+    with pytest.raises(RuntimeError, match="disagrees with F.linear"):
+        pack_linear_weights(model)
+    assert all("forward" not in m.__dict__ for m in _plain_linears(model))
