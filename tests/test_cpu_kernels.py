@@ -82,6 +82,9 @@ def test_a_weight_changed_after_packing_is_never_read_stale(mkl_calls):
             target.model.layers[1].self_attn.q_proj.weight = torch.nn.Parameter(
                 torch.randn_like(target.model.layers[1].self_attn.q_proj.weight)
             )
+            target.model.layers[2].self_attn.k_proj.weight.data = torch.randn_like(  # no version bump
+                target.model.layers[2].self_attn.k_proj.weight
+            )
             logits = target(x).logits
     assert "forward" not in target.model.layers[0].mlp.down_proj.__dict__
     with torch.no_grad():

@@ -63,17 +63,20 @@ class _PackedWeight:
     def __init__(self, weight: torch.Tensor, max_rows: int):
         self.weight = weight
         self.version = weight._version
+        self.storage = weight.data_ptr()
         self.max_rows = max_rows
         with torch.no_grad():
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), PACKING_ROWS_HINT)
 
     def current(self, weight: torch.Tensor, x: torch.Tensor) -> bool:
-        """Whether the packed copy may compute this call: the same weight, unchanged, an fp32 input, no gradients
-        or autocast wanted."""
+        """Whether the packed copy may compute this call: the same weight, unchanged (not written in place, its
+        ``.data`` not swapped, not moved off the CPU), an fp32 CPU input, no gradients or autocast wanted."""
         return (
             weight is self.weight
             and weight._version == self.version
+            and weight.data_ptr() == self.storage
             and x.dtype == torch.float32
+            and x.device.type == "cpu"
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
             and not torch.is_autocast_enabled("cpu")
         )
