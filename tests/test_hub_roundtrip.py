@@ -247,6 +247,21 @@ def test_a_card_from_an_fp32_and_a_bf16_bench_shows_both_with_their_dtype(tmp_pa
     assert any("1.50×" in line and "up to classified near-ties" in line for line in rows)
 
 
+def test_a_card_from_benches_on_two_machines_says_which_row_ran_where():
+    from hf_specdec.cards import _results_table
+
+    row = {"method": "eagle3:d K=5", "kind": "drafter", "category": "all", "temperature": 0.0, "batch_size": 1,
+           "mean_accepted_length": 1.5, "speedup": 1.2, "identical": True}  # fmt: skip
+    intel = {"hardware": {"device_name": "Intel Xeon", "device": "cpu", "torch": "2.13.0"}, "records": [row]}
+    amd = {"hardware": {"device_name": "AMD EPYC", "device": "cpu", "torch": "2.13.0"}, "records": [row]}
+    table, _ = _results_table([intel, amd])
+    header, _, first, second = table.splitlines()
+    assert header.endswith("| hardware |")
+    assert first.endswith("| Intel Xeon (cpu, torch 2.13.0) |") and second.endswith("| AMD EPYC (cpu, torch 2.13.0) |")
+    one, _ = _results_table([intel, intel])
+    assert "hardware" not in one and "Intel" not in one  # one machine: the card's sentence names it
+
+
 def test_a_card_says_when_its_drafter_trained_on_a_prefix_of_its_data():
     """A run with ``max_train_examples`` (a data-scaling or same-budget run) records the whole file; its card says how
     much of it the drafter saw, and a run on all of its data says nothing more."""

@@ -32,12 +32,13 @@ def _load_bench(bench: str | dict | None) -> dict | None:
 def _results_table(reports: list[dict], own_prefix: str | None = None) -> tuple[str, bool]:
     """The card's results: the bench reports' drafter rows, only this drafter's (method names start with
     ``own_prefix``, ``"<family>:<folder>"``) when a report compares several drafters, with each report's target
-    dtype (an fp32 and a bf16 run side by side)."""
+    dtype (an fp32 and a bf16 run side by side) and, when the reports come from different machines, each row's."""
     rows = []
     for report in reports:
         dtype = (report.get("config") or {}).get("target_dtype", "—")
+        machine = _machine(report)
         mine = [
-            dict(r, dtype=dtype)
+            dict(r, dtype=dtype, machine=machine)
             for r in report["records"]
             if r.get("category", "all") == "all" and r.get("kind") == "drafter" and not r.get("skipped")
         ]
@@ -47,9 +48,11 @@ def _results_table(reports: list[dict], own_prefix: str | None = None) -> tuple[
     if not rows:
         raise ValueError("The bench report has no measured drafter records to put in the card.")
     approximate = any(r.get("approximate") for r in rows)
+    several = len({r["machine"] for r in rows}) > 1
     lines = [
-        "| method | target dtype | temperature | batch | τ | c | speedup | verdict | identical to plain generate |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | target dtype | temperature | batch | τ | c | speedup | verdict | identical to plain generate |"
+        + (" hardware |" if several else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if several else ""),
     ]
     for r in rows:
         cost = r.get("draft_cost_ratio")
@@ -57,8 +60,15 @@ def _results_table(reports: list[dict], own_prefix: str | None = None) -> tuple[
             f"| {r['method']} | {r['dtype']} | {r.get('temperature', 0)} | {r.get('batch_size')} | "
             f"{r.get('mean_accepted_length', float('nan')):.2f} | {'—' if cost is None else f'{cost:.2f}'} | "
             f"{_speedup_cell(r)} | {r.get('verdict') or '—'} | {_identity_cell(r)} |"
+            + (f" {r['machine']} |" if several else "")
         )
     return "\n".join(lines), approximate
+
+
+def _machine(report: dict) -> str:
+    """Where a bench report ran: ``"AMD EPYC (cpu, torch 2.13.0+cpu)"``."""
+    hw = report.get("hardware") or {}
+    return f"{hw.get('device_name', '?')} ({hw.get('device', '?')}, torch {hw.get('torch', '?')})"
 
 
 def _speedup_cell(r: dict) -> str:
@@ -117,7 +127,6 @@ def drafter_card(
     spec = get_drafter_spec(cfg.model_type)  # the family's name, display name and card wording
     record = _training_record(folder, base_model)
     reports = [_load_bench(b) for b in (bench if isinstance(bench, (list, tuple)) else [bench]) if b is not None]
-    report = reports[0] if reports else None
     folder = os.path.basename(str(getattr(drafter, "name_or_path", "") or "").rstrip("/"))
     prefix = f"{cfg.model_type.removesuffix('_drafter')}:{folder}" if folder else None
     results, approximate = ("", False) if not reports else _results_table(reports, prefix)
@@ -136,10 +145,7 @@ def drafter_card(
     recommended = ""
     if recommended_settings:
         recommended = ", ".join(f"{k}={v!r}" for k, v in recommended_settings.items())
-    hardware = "—"
-    if report is not None:
-        hw = report.get("hardware") or {}
-        hardware = f"{hw.get('device_name', '?')} ({hw.get('device', '?')}, torch {hw.get('torch', '?')})"
+    hardware = " and ".join(dict.fromkeys(_machine(r) for r in reports)) or "—"
     link = f"https://huggingface.co/{target}" if target.count("/") == 1 and not os.path.exists(target) else target
     return ModelCard.from_template(
         card_data,
