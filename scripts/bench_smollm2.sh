@@ -13,6 +13,8 @@
 #                              2 hours); greedy outputs that differ from bf16 plain are classified as near-ties or real
 #                              differences
 # Every run repeats 3 times (the bench default) and reports each speedup's median, 95 % interval and verdict.
+# `bench` packs the fp32 target's linear weights for MKL (the default, --linear-kernels packed; the reports' config
+# says so): the lanes rerun that way wrote smollm2-bench*-packed (README's figures table), the earlier files ran stock.
 # About 100 minutes on a 2-core VM. Outputs: model_cards/results/smollm2-bench*.{json,md,png}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
