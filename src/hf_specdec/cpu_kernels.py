@@ -2,10 +2,10 @@
 
 A verification pass runs the target over a few new tokens (K + 1 for a chain of K, a few more for a tree). On x86
 CPUs, PyTorch computes ``F.linear`` over one row with a matrix-vector kernel that streams the weight once, but over
-2–64 rows with MKL's general ``sgemm``, which re-packs the whole weight on every call: on a 2-core AMD EPYC a
-SmolLM2-135M pass over 6 tokens costs about 1.6 one-token steps, and most of that is the re-packing
-(``scripts/smollm2_pass_cost.py --layouts stock packed``). Speculative decoding pays only when a pass costs little
-more than a step, so that price decides whether a drafter pays on a CPU.
+2–64 rows with MKL's general ``sgemm``, which re-packs the whole weight on every call: on a 2-core VM a
+SmolLM2-135M pass over 6 tokens costs about 1.57 one-token steps that way and about 1.45 with the weights packed
+once, a pass over 11 tokens 2.3 and 1.7 (``scripts/smollm2_pass_cost.py --layouts stock packed``). Speculative
+decoding pays only when a pass costs little more than a step, so that price decides whether a drafter pays on a CPU.
 
 :func:`pack_linear_weights` packs each fp32 ``nn.Linear`` weight of a model once, in MKL's internal layout
 (``torch.ops.mkl._mkl_reorder_linear_weight``, what ``torch.compile``'s CPU freezing does), and computes passes over
