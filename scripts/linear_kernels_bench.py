@@ -26,7 +26,7 @@ import sys
 import torch
 
 
-def methods(spec, target_copy, drafter_path: str):
+def methods(target_copy, drafter_path: str):
     """Plain and the drafter on the stock target, then a plain row and the drafter on the packed copy."""
     from hf_specdec import AutoModelForDrafting
     from hf_specdec.bench.runner import drafter_method, plain_method
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     report = run_benchmark(
         target,
         tokenizer,
-        methods(spec, target_copy, demo_drafter_path(spec)),
+        methods(target_copy, demo_drafter_path(spec)),
         prompts,
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
