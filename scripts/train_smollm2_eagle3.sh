@@ -16,7 +16,7 @@
 #      time), a fresh cosine schedule from lr 2e-3, scored on the held-out records of all 34 shards (features
 #      about 30 minutes, training about 66 minutes; runs/smollm2-grown34/drafter): the drafter kept as
 #      model_cards/candidates/smollm2-eagle3-grown34, shipped once the SmolLM2 benchmarks are rerun with it.
-# Then copy the drafter into the package:
+# The shipped drafter is runs/smollm2-grown30/drafter; to ship the candidate (after rerunning the SmolLM2 benchmarks):
 #   cp runs/smollm2-grown34/drafter/{config.json,model.safetensors,training_record.json} src/hf_specdec/assets/smollm2-drafter/
 set -euo pipefail
 cd "$(dirname "$0")/.."
