@@ -28,7 +28,24 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _leave_process_group() -> None:
+    """Ends the process group a launcher (``torchrun``, ``accelerate launch``) started, on every rank: a process that
+    exits with it still up can abort in its communication threads ("terminate called without an active exception")
+    and fail the whole launch after a finished run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _train(args) -> int:
+    try:
+        return _run_training(args)
+    finally:
+        _leave_process_group()
+
+
+def _run_training(args) -> int:
     from ..training.recipes import train_drafter
     from ..training.trainer import DrafterTrainingArguments
 
