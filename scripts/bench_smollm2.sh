@@ -14,8 +14,8 @@
 #                              differences
 # Every run repeats 3 times (the bench default) and reports each speedup's median, 95 % interval and verdict.
 # `bench` packs the fp32 target's linear weights for MKL (the default, --linear-kernels packed; the reports' config
-# says so): the lanes rerun that way wrote smollm2-bench*-packed (README's figures table), the earlier files ran stock.
-# About 100 minutes on a 2-core VM. Outputs: model_cards/results/smollm2-bench*.{json,md,png}.
+# says so). Earlier runs are kept under other stems (smollm2-bench*-grown30, *-stock; README's figures table).
+# About 60 minutes on a 2-core VM (lane 1 56 minutes, lane 2 38 at the last run). Outputs: model_cards/results/smollm2-bench*.{json,md,png}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-model_cards/results}

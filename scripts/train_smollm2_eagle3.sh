@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # The shipped EAGLE-3 drafter for SmolLM2-135M-Instruct (src/hf_specdec/assets/smollm2-drafter), rebuilt from the
-# committed self-distillation data (data/smollm2-distill) in resumable stages, about 4 hours on 2 CPU cores for
-# the three that made it (stage 4 makes the next one, a candidate: about 1 h 40 min more):
+# committed self-distillation data (data/smollm2-distill) in four resumable stages, about 5 h 40 min on 2 CPU cores:
 #   1. the 1.5M-token point of the scaling curve: features from the bf16 target (dumped once, about 27 minutes;
 #      skipped when runs/smollm2-scaling holds them) and one epoch, batch 4, lr 1e-3, bf16 autocast
 #      (runs/smollm2-scaling/size-1500000; skipped when done);
@@ -11,12 +10,12 @@
 #   3. one epoch from that drafter on the training records of shards 15-29 (1.53M answer tokens it has not seen), a
 #      fresh cosine schedule from lr 2e-3, scored before and after on the held-out records of all 30 shards
 #      (scripts/train_smollm2_grown.py: features dumped once, about 45 minutes; training about 48 minutes;
-#      runs/smollm2-grown30/drafter, its scores in runs/smollm2-grown30/results.json): the shipped drafter;
+#      runs/smollm2-grown30/drafter, its scores in runs/smollm2-grown30/results.json), shipped before;
 #   4. one more epoch from it on the training records of shards 15-33 (1.95M answer tokens: 15-29 for the second
 #      time), a fresh cosine schedule from lr 2e-3, scored on the held-out records of all 34 shards (features
-#      about 30 minutes, training about 66 minutes; runs/smollm2-grown34/drafter): the drafter kept as
-#      model_cards/candidates/smollm2-eagle3-grown34, shipped once the SmolLM2 benchmarks are rerun with it.
-# The shipped drafter is runs/smollm2-grown30/drafter; to ship the candidate (after rerunning the SmolLM2 benchmarks):
+#      about 30 minutes, training about 66 minutes; runs/smollm2-grown34/drafter): the shipped drafter, also kept
+#      as model_cards/candidates/smollm2-eagle3-grown34.
+# Ship a rebuilt drafter (then rerun scripts/bench_smollm2.sh, the demo and the card, README's figures table):
 #   cp runs/smollm2-grown34/drafter/{config.json,model.safetensors,training_record.json} src/hf_specdec/assets/smollm2-drafter/
 set -euo pipefail
 cd "$(dirname "$0")/.."
