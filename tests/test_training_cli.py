@@ -122,6 +122,35 @@ def test_multi_process_training_with_torchrun(workspace):
     assert AutoModelForDrafting.from_pretrained(out) is not None
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_train_command_ends_the_process_group_it_ran_in(tmp_path, monkeypatch, fails):
+    """A launcher's process group is ended when `train` returns or raises: a rank that exits with it still up can
+    abort in gloo's threads after a finished run and fail the whole launch (seen under `torchrun`)."""
+    import torch.distributed as dist
+
+    from hf_specdec.commands import train as train_command
+
+    def run(args):
+        assert dist.is_initialized()
+        if fails:
+            raise RuntimeError("training failed")
+        return 0
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    monkeypatch.setattr(train_command, "_run_training", run)
+    try:
+        if fails:
+            with pytest.raises(RuntimeError, match="training failed"):
+                train_command._train(None)
+        else:
+            assert train_command._train(None) == 0
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_dump_features_refuses_token_ids_outside_the_target_vocabulary(workspace, tmp_path, capsys):
     root, target, tok = workspace
     bad = tmp_path / "bad.jsonl"
