@@ -31,11 +31,10 @@ def _fraction(text: str) -> float:
 def _leave_process_group() -> None:
     """Ends the process group a launcher (``torchrun``, ``accelerate launch``) started, on every rank: a process that
     exits with it still up can abort in its communication threads ("terminate called without an active exception")
-    and fail the whole launch after a finished run."""
-    import torch.distributed as dist
+    and fail the whole launch after a finished run. accelerate's state knows which group is its to end."""
+    from accelerate import PartialState
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    PartialState().destroy_process_group()
 
 
 def _train(args) -> int:
