@@ -54,16 +54,22 @@ def test_chooses_plain_steps_when_drafting_does_not_pay():
     assert set(choices) <= {0, 1}
 
 
-def test_probes_of_a_losing_arm_back_off_and_resume_when_the_best_changes():
-    ctrl = DraftLengthController(2, probe_every=4, max_probe_gap=32)
+def _losing_probes(ctrl: DraftLengthController, passes: int = 200) -> list[int]:
+    """The passes at which ``ctrl`` probes a draft while drafts are never accepted (2 rows, K_max 2)."""
     _feed(ctrl, 2, [0, 0], 0.12)
     _feed(ctrl, 0, [0, 0], 0.10)
     probes = []
-    for _ in range(200):
+    for _ in range(passes):
         k = ctrl.choose(100)
         if k:
             probes.append(ctrl.passes)
         _feed(ctrl, k, [0, 0], 0.10 + 0.01 * k)  # drafts are never accepted: every probe loses
+    return probes
+
+
+def test_probes_of_a_losing_arm_back_off_and_resume_when_the_best_changes():
+    ctrl = DraftLengthController(2, probe_every=4, max_probe_gap=32, probe_optimism=0.0)
+    probes = _losing_probes(ctrl)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[-1] == 32 and len(probes) < 14, probes  # 4, 8, 16, 32, 32, ...
     # The text turns predictable: the next probe finds drafts accepted, the best changes, probes come often again.
@@ -77,6 +83,43 @@ def test_probes_of_a_losing_arm_back_off_and_resume_when_the_best_changes():
         _feed(ctrl, k, [k, k], 0.10 + 0.01 * k)
     assert ctrl.best() >= 1 and changed_at is not None  # drafting again
     assert later_probes and later_probes[0] - changed_at <= 4  # and looking around soon after the change
+
+
+def test_hopeful_probes_of_a_losing_arm_stop_once_the_evidence_is_in():
+    """With the hopeful estimate (the default), the first probes of a drafter that never pays come at the short gap
+    while its few rejections leave room for doubt; then the gaps double as without it."""
+    hopeful = _losing_probes(DraftLengthController(2, probe_every=4, max_probe_gap=32))
+    plain = _losing_probes(DraftLengthController(2, probe_every=4, max_probe_gap=32, probe_optimism=0.0))
+    gaps = [b - a for a, b in zip(hopeful, hopeful[1:])]
+    assert gaps[-4:] == [32] * 4 and len(plain) < len(hopeful) <= len(plain) + 3, (hopeful, plain)
+
+
+def _unlucky_start(ctrl: DraftLengthController, passes: int = 200) -> list[int]:
+    """A drafter whose first token is accepted half the time, in runs of three drafts (a draft of k costs 1 + 0.1 k
+    plain steps, so one-token drafts pay: 1.5 tokens for 1.1 steps), after a first pass and two probes that were
+    rejected; returns the draft lengths chosen next."""
+    _feed(ctrl, 5, [0], 1.5)  # the first pass drafts K_max and is rejected
+    _feed(ctrl, 0, [0], 1.0)
+    for _ in range(2):  # two rejected probes of one token
+        _feed(ctrl, 1, [0], 1.1)
+    choices, drafts = [], 0
+    for _ in range(passes):
+        k = ctrl.choose(100)
+        choices.append(k)
+        drafts += k > 0
+        _feed(ctrl, k, [min(k, (drafts - 1) // 3 % 2)], 1.0 + 0.1 * k)  # three rejected drafts, three accepted, ...
+    return choices
+
+
+def test_an_unlucky_start_does_not_keep_a_paying_drafter_on_plain_steps():
+    """Three rejections put alpha_1 at 0.125 where it is 0.5: the plain estimate says plain steps win, and plain
+    steps add no evidence. Hopeful probes come again after ``probe_every`` passes and the loop drafts within about
+    40 passes; the control without them (probes of the neighbouring length at doubling gaps) is still on plain
+    steps 200 passes later."""
+    choices = _unlucky_start(DraftLengthController(5))
+    assert choices[0] == 0 and choices[60:].count(0) <= 14, choices
+    control = _unlucky_start(DraftLengthController(5, probe_optimism=0.0))
+    assert control[60:].count(0) > 70, control
 
 
 def test_chooses_long_drafts_when_they_are_accepted_and_cheap():

@@ -44,6 +44,13 @@ large batch on a compute-bound device.
   length or of prompt lookup, runs while the sum is above ``probe_share`` of all the time measured. Where drafting
   does not pay (a batch of 4 on a CPU, where a lookup probe costs 2.4–4.9 plain steps) exploring then costs at most
   that share and one probe, whatever the estimates' noise does to the gaps between probes.
+* A few rejected drafts early on (the first pass after a prompt, two unlucky probes) can put ``alpha_1`` far below
+  the drafter's real rate, and the plain steps that follow add no evidence: with probes at doubling gaps the loop
+  could then decode plainly for hundreds of passes with a drafter that pays. So while the loop decodes plainly, the
+  probe asks the *hopeful* estimate (each ``alpha_d`` raised by ``probe_optimism`` standard errors of its count):
+  when that says a draft length would win, the probe drafts that length and the next probe comes after
+  ``probe_every`` passes, not a doubled gap, until the evidence settles it either way. The choice itself stays on
+  the plain estimates, and these probes are within the same budget.
 * The estimates are kept per drafter, target, device, batch size, decoding mode and tree policy
   (:class:`DraftLengthMemory`, outside the drafter object), so later ``generate`` calls start from what earlier
   ones learnt.
@@ -113,6 +120,9 @@ class DraftLengthController:
             would cost more than this share of the plain steps left in the call, and while the probes so far
             (prompt-lookup re-measures too) have lost more than this share of all the time measured, each one's
             loss being its time over what plain steps take to commit what it committed.
+        probe_optimism: while the loop decodes plainly, a probe drafts the length that estimates raised by this many
+            standard errors (of each depth's acceptance count) say would win, and comes again after
+            ``probe_every`` passes while they say so (0: probes of the neighbouring length at doubling gaps only).
     """
 
     def __init__(
@@ -127,6 +137,7 @@ class DraftLengthController:
         probe_every: int = 12,
         max_probe_gap: int = 192,
         probe_share: float = 0.02,
+        probe_optimism: float = 1.0,
     ):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}.")
@@ -139,6 +150,7 @@ class DraftLengthController:
         self.probe_every = int(probe_every)
         self.max_probe_gap = max(int(max_probe_gap), self.probe_every)
         self.probe_share = float(probe_share)
+        self.probe_optimism = float(probe_optimism)
         self._probe_gap = self.probe_every
         self._next_probe = self.probe_every
         self._last_best: int | None = None
@@ -164,27 +176,28 @@ class DraftLengthController:
         self._lookup_next = self.probe_every
 
     # ------------------------------------------------------------------ estimates
-    def alphas(self) -> list[float]:
+    def alphas(self, optimism: float = 0.0) -> list[float]:
         """Per-depth acceptance ``alpha_1..alpha_Kmax`` (a depth never reached takes the one before it; depth 1
-        starts at 0.5 before any evidence)."""
+        starts at 0.5 before any evidence); with ``optimism``, each raised by that many standard errors of its
+        count (the hopeful estimate probes ask)."""
         out = []
         prev = 0.5
         for d in range(1, self.k_max + 1):
-            r = self.reached[d]
+            n = self.reached[d] + 1.0
             # A weak prior (one pseudo-observation at the previous depth's rate) keeps rare depths sane.
-            a = (self.accepted[d] + prev) / (r + 1.0)
-            out.append(a)
+            a = (self.accepted[d] + prev) / n
+            out.append(min(a + optimism * (a * (1.0 - a) / n) ** 0.5, 1.0))
             prev = a
         return out
 
-    def expected_tokens(self, k: int) -> float:
-        """Expected tokens a pass drafting ``k`` commits (per row)."""
+    def expected_tokens(self, k: int, optimism: float = 0.0) -> float:
+        """Expected tokens a pass drafting ``k`` commits (per row; ``optimism``: :meth:`alphas`')."""
         if k <= 0:
             return 1.0
         if self.tree:
             return self.tree_tokens if self.tree_tokens is not None else 1.0 + self.k_max * 0.5
         total, p = 1.0, 1.0
-        for a in self.alphas()[:k]:
+        for a in self.alphas(optimism)[:k]:
             p *= a
             total += p
         return total
@@ -231,16 +244,18 @@ class DraftLengthController:
         longer = [c for j in self.times if j > k and (c := self.relative_cost(j)) is not None]
         return min(longer) if longer else None
 
-    def rate(self, k: int, pending_slots: int = 0, steps_left: int | None = None) -> float | None:
+    def rate(
+        self, k: int, pending_slots: int = 0, steps_left: int | None = None, optimism: float = 0.0
+    ) -> float | None:
         """Expected tokens per plain-step time of drafting ``k`` (a plain step: 1), the catch-up on
         ``pending_slots`` counted against drafting: against this pass alone, or, given the ``steps_left`` in the
         call, spread over them (the drafter catches up once, then keeps up while the call drafts: a waiting prompt
         is paid for by every draft after it, not by the first); ``None`` while no measurement bounds ``k``'s cost
-        (:meth:`cost_bound`)."""
+        (:meth:`cost_bound`); ``optimism``: :meth:`alphas`'."""
         cost = self.cost_bound(k)
         if cost is None:
             return None
-        tokens = self.expected_tokens(k)
+        tokens = self.expected_tokens(k, optimism)
         catchup = self.catchup_cost(pending_slots) if k > 0 else 0.0
         if steps_left is None or steps_left <= tokens:
             return tokens / (cost + catchup)
@@ -249,16 +264,18 @@ class DraftLengthController:
     def arms(self) -> list[int]:
         return [0, self.k_max] if self.tree else list(range(self.k_max + 1))
 
-    def best(self, limit: int | None = None, pending_slots: int = 0, steps_left: int | None = None) -> int:
+    def best(
+        self, limit: int | None = None, pending_slots: int = 0, steps_left: int | None = None, optimism: float = 0.0
+    ) -> int:
         """The measured draft length with the highest expected tokens per second (ties: the longer one; the
-        catch-up on ``pending_slots`` spread over ``steps_left``, see :meth:`rate`); a draft must beat a plain step
-        by ``margin`` to be chosen."""
+        catch-up on ``pending_slots`` spread over ``steps_left``, see :meth:`rate`; ``optimism``: :meth:`alphas`');
+        a draft must beat a plain step by ``margin`` to be chosen."""
         limit = self.k_max if limit is None else min(limit, self.k_max)
         if not self.times:
             return limit  # nothing measured yet: draft
         best_k, best_rate = 0, 1.0 + self.margin
         for k in self.arms():
-            rate = self.rate(k, pending_slots, steps_left) if 0 < k <= limit else None
+            rate = self.rate(k, pending_slots, steps_left, optimism) if 0 < k <= limit else None
             if rate is not None and rate >= best_rate:
                 best_k, best_rate = k, rate
         return best_k
@@ -283,9 +300,10 @@ class DraftLengthController:
                 self._probe_gap = self.probe_every
                 self._next_probe = min(self._next_probe, n + max(self.probe_every // 4, 1))
             if n > 1 and n >= self._next_probe and self._probe_affordable(choice, steps_left, pending_slots):
-                self._probe_gap = min(2 * self._probe_gap, self.max_probe_gap)
+                hopeful = self.best(limit, pending_slots, steps_left, self.probe_optimism) if choice == 0 else 0
+                self._probe_gap = self.probe_every if hopeful else min(2 * self._probe_gap, self.max_probe_gap)
                 self._next_probe = n + self._probe_gap
-                choice = self._probe(choice, limit)
+                choice = hopeful or self._probe(choice, limit)
                 self._probing = True
         self.last_choice = choice
         return choice
