@@ -15,7 +15,7 @@
 # Every run repeats 3 times (the bench default) and reports each speedup's median, 95 % interval and verdict.
 # `bench` packs the fp32 target's linear weights for MKL (the default, --linear-kernels packed; the reports' config
 # says so). Earlier runs are kept under other stems (smollm2-bench*-grown30, *-stock; README's figures table).
-# About 60 minutes on a 2-core VM (lane 1 56 minutes, lane 2 38 at the last run). Outputs: model_cards/results/smollm2-bench*.{json,md,png}.
+# About 40-60 minutes on a 2-core VM (lane 1 37-56 minutes, lane 2 25-38 at the last runs). Outputs: model_cards/results/smollm2-bench*.{json,md,png}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-model_cards/results}

@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # The shipped EAGLE-3 drafter for SmolLM2-135M-Instruct (src/hf_specdec/assets/smollm2-drafter), rebuilt from the
-# committed self-distillation data (data/smollm2-distill) in four resumable stages, about 5 h 40 min on 2 CPU cores
-# (stage 5 makes the next one, a candidate: about 50 minutes more):
+# committed self-distillation data (data/smollm2-distill) in five resumable stages, about 6 h 30 min on 2 CPU cores:
 #   1. the 1.5M-token point of the scaling curve: features from the bf16 target (dumped once, about 27 minutes;
 #      skipped when runs/smollm2-scaling holds them) and one epoch, batch 4, lr 1e-3, bf16 autocast
 #      (runs/smollm2-scaling/size-1500000; skipped when done);
@@ -14,14 +13,14 @@
 #      runs/smollm2-grown30/drafter, its scores in runs/smollm2-grown30/results.json), shipped before;
 #   4. one more epoch from it on the training records of shards 15-33 (1.95M answer tokens: 15-29 for the second
 #      time), a fresh cosine schedule from lr 2e-3, scored on the held-out records of all 34 shards (features
-#      about 30 minutes, training about 66 minutes; runs/smollm2-grown34/drafter): the shipped drafter, also kept
+#      about 30 minutes, training about 66 minutes; runs/smollm2-grown34/drafter), shipped before, kept
 #      as model_cards/candidates/smollm2-eagle3-grown34;
 #   5. three quarters of an epoch more on the training records of shards 15-37 (2.37M answer tokens), a fresh cosine
 #      from lr 1e-3, scored on the held-out records of all 38 shards (features of shards 34-37 about 5 minutes when
 #      runs/smollm2-grown34's dumps are copied in, training about 42 minutes; runs/smollm2-grown38/drafter): the
-#      candidate kept as model_cards/candidates/smollm2-eagle3-grown38, not yet shipped.
+#      shipped drafter, also kept as model_cards/candidates/smollm2-eagle3-grown38.
 # Ship a rebuilt drafter (then rerun scripts/bench_smollm2.sh, the demo and the card, README's figures table):
-#   cp runs/smollm2-grown34/drafter/{config.json,model.safetensors,training_record.json} src/hf_specdec/assets/smollm2-drafter/
+#   cp runs/smollm2-grown38/drafter/{config.json,model.safetensors,training_record.json} src/hf_specdec/assets/smollm2-drafter/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SCALING=runs/smollm2-scaling

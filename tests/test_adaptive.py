@@ -94,6 +94,12 @@ def test_hopeful_probes_of_a_losing_arm_stop_once_the_evidence_is_in():
     assert gaps[-4:] == [32] * 4 and len(plain) < len(hopeful) <= len(plain) + 3, (hopeful, plain)
 
 
+@pytest.mark.parametrize("option", ["margin", "probe_optimism"])
+def test_negative_margins_and_optimism_are_refused(option):
+    with pytest.raises(ValueError, match=f"{option} must be >= 0"):
+        DraftLengthController(3, **{option: -0.1})
+
+
 def _unlucky_start(ctrl: DraftLengthController, passes: int = 200) -> list[int]:
     """A drafter whose first token is accepted half the time, in runs of three drafts (a draft of k costs 1 + 0.1 k
     plain steps, so one-token drafts pay: 1.5 tokens for 1.1 steps), after a first pass and two probes that were

@@ -141,8 +141,9 @@ class DraftLengthController:
     ):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}.")
-        if margin < 0:
-            raise ValueError(f"margin must be >= 0, got {margin}.")
+        for name, value in (("margin", margin), ("probe_optimism", probe_optimism)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}.")
         self.k_max = int(k_max)
         self.tree = bool(tree)
         self.decay = float(decay)
