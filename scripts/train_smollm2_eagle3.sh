@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The shipped EAGLE-3 drafter for SmolLM2-135M-Instruct (src/hf_specdec/assets/smollm2-drafter), rebuilt from the
-# committed self-distillation data (data/smollm2-distill) in five resumable stages, about 6 h 30 min on 2 CPU cores:
+# committed self-distillation data (data/smollm2-distill) in seven resumable stages, about 8 h 30 min on 2 CPU cores:
 #   1. the 1.5M-token point of the scaling curve: features from the bf16 target (dumped once, about 27 minutes;
 #      skipped when runs/smollm2-scaling holds them) and one epoch, batch 4, lr 1e-3, bf16 autocast
 #      (runs/smollm2-scaling/size-1500000; skipped when done);
@@ -17,10 +17,13 @@
 #      as model_cards/candidates/smollm2-eagle3-grown34;
 #   5. three quarters of an epoch more on the training records of shards 15-37 (2.37M answer tokens), a fresh cosine
 #      from lr 1e-3, scored on the held-out records of all 38 shards (features of shards 34-37 about 5 minutes when
-#      runs/smollm2-grown34's dumps are copied in, training about 42 minutes; runs/smollm2-grown38/drafter): the
-#      shipped drafter, also kept as model_cards/candidates/smollm2-eagle3-grown38.
+#      runs/smollm2-grown34's dumps are copied in, training about 42 minutes; runs/smollm2-grown38/drafter), shipped
+#      before, kept as model_cards/candidates/smollm2-eagle3-grown38;
+#   6. and 7. one epoch more each on the same records, a fresh cosine from lr 1e-3 (the stage-5 dumps hard-linked in,
+#      training about 55 minutes each; runs/smollm2-grown38b/drafter, then runs/smollm2-grown38c/drafter), kept as
+#      model_cards/candidates/smollm2-eagle3-grown38b and -grown38c.
 # Ship a rebuilt drafter (then rerun scripts/bench_smollm2.sh, the demo and the card, README's figures table):
-#   cp runs/smollm2-grown38/drafter/{config.json,model.safetensors,training_record.json} src/hf_specdec/assets/smollm2-drafter/
+#   cp runs/smollm2-grown38c/drafter/{config.json,model.safetensors,training_record.json} src/hf_specdec/assets/smollm2-drafter/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SCALING=runs/smollm2-scaling
@@ -52,3 +55,14 @@ python scripts/train_smollm2_grown.py --shards 34 --from-shard 15 --lr 2e-3 --dr
 # the new shards)
 python scripts/train_smollm2_grown.py --shards 38 --from-shard 15 --lr 1e-3 --epochs 0.75 \
     --drafter runs/smollm2-grown34/drafter --out runs/smollm2-grown38 --results runs/smollm2-grown38/results
+
+# stages 6 and 7: the same records again, reading the stage-5 dumps (hard links: no copy, no second dump)
+for stage in 38b:38 38c:38b; do
+    out=runs/smollm2-grown${stage%%:*} from=runs/smollm2-grown${stage##*:}
+    mkdir -p "$out"
+    for dump in features-train features-eval; do
+        [ -e "$out/$dump" ] || cp -al runs/smollm2-grown38/$dump "$out/"
+    done
+    python scripts/train_smollm2_grown.py --shards 38 --from-shard 15 --lr 1e-3 --epochs 1.0 \
+        --drafter "$from/drafter" --out "$out" --results "$out/results"
+done

@@ -207,6 +207,23 @@ def test_resuming_a_finished_run_keeps_its_record(tmp_path, target):
     assert (out / "training_record.json").read_text() == saved
 
 
+def test_a_resumed_runs_record_counts_the_time_and_tokens_of_the_steps_before_it(tmp_path, target):
+    whole = DrafterTrainer(fresh(target), target, args(tmp_path / "whole"), data()).train()
+    assert whole["resumed_at_step"] is None
+    out = tmp_path / "out"
+    DrafterTrainer(fresh(target), target, args(out, stop_after_steps=2), data()).train()
+    history_file = out / "checkpoint-2" / "draft_history.json"
+    history = json.loads(history_file.read_text())
+    assert history["wall_time_s"] > 0 and history["tokens"] > 0
+    history["wall_time_s"] = 1000.0  # as if the first process had trained for a long time
+    history_file.write_text(json.dumps(history))
+    record = DrafterTrainer(fresh(target), target, args(out), data()).train(resume_from_checkpoint=True)
+    assert record["resumed_at_step"] == 2
+    assert 1000.0 < record["wall_time_s"] < 1000.0 + 60
+    assert record["tokens"] == whole["tokens"] > 0
+    assert record["tokens_per_second"] == pytest.approx(record["tokens"] / record["wall_time_s"], abs=0.1)
+
+
 # ---------------------------------------------------------------------------------------------- data that cannot train
 def test_training_data_with_nothing_to_learn_is_refused_saying_what_carries_loss(tmp_path, target):
     from helpers import chat_tokenizer

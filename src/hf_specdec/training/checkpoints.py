@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
+import json
 import os
 import re
 import shutil
@@ -40,6 +41,13 @@ def _checkpoint_step(name: str) -> int | None:
     if name.startswith(CHECKPOINT_PREFIX) and name[len(CHECKPOINT_PREFIX) :].isdigit():
         return int(name[len(CHECKPOINT_PREFIX) :])
     return None
+
+
+def steps_done(checkpoint: str) -> int:
+    """The optimizer steps a checkpoint had taken (its ``trainer_state.json``; the folder's name may be a set-aside
+    copy's)."""
+    with open(os.path.join(checkpoint, "trainer_state.json"), encoding="utf-8") as fh:
+        return int(json.load(fh)["global_step"])
 
 
 def checkpoint_missing_files(path: str) -> list[str]:

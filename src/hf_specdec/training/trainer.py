@@ -54,6 +54,7 @@ from .checkpoints import (
     put_in_place,
     rotate_checkpoints,
     saving,
+    steps_done,
 )
 from .features import capture_target_features
 
@@ -312,6 +313,7 @@ class DrafterTrainer(Trainer):
         self.history: list[dict] = []
         self.eval_history: list[dict] = []
         self._step_metrics, self._window, self._tokens = TrainingMetrics(), TrainingMetrics(), 0
+        self._started, self._earlier_wall_time, self._resumed_at = time.perf_counter(), 0.0, None
         target.requires_grad_(False)
         target.eval()
         self.target = target
@@ -627,6 +629,7 @@ class DrafterTrainer(Trainer):
         if self.args.should_save:
             self.state.save_to_json(os.path.join(folder, "trainer_state.json"))
             history = {"history": self.history, "eval_history": self.eval_history}
+            history.update(wall_time_s=self._wall_time(), tokens=self._tokens)
             with open(os.path.join(folder, HISTORY_FILE), "w", encoding="utf-8") as fh:
                 json.dump(history, fh, indent=1)
 
@@ -675,6 +678,8 @@ class DrafterTrainer(Trainer):
             with open(history_file, encoding="utf-8") as fh:
                 saved = json.load(fh)
             self.history, self.eval_history = saved["history"], saved["eval_history"]
+            # The time and tokens of the steps before the checkpoint count in the record of the finished run.
+            self._earlier_wall_time, self._tokens = saved.get("wall_time_s", 0.0), saved.get("tokens", 0)
 
     def _checked_checkpoint(self, resume: bool | str) -> str:
         """The checkpoint to resume from (``True``: the latest in ``output_dir``), complete and safe to read."""
@@ -702,11 +707,17 @@ class DrafterTrainer(Trainer):
                 return finished
         else:
             self._start_fresh()
-        started, self._tokens = time.perf_counter(), 0
+        self._started, self._tokens = time.perf_counter(), 0
+        self._resumed_at = steps_done(checkpoint) if checkpoint else None
         super().train(resume_from_checkpoint=checkpoint, **kwargs)
         if self.state.global_step < self.state.max_steps:
             return {"steps": self.state.global_step, "total_steps": self.state.max_steps, "stopped_early": True}
-        return self._finish(time.perf_counter() - started)
+        return self._finish()
+
+    def _wall_time(self) -> float:
+        """Seconds spent training this drafter so far: this process's, and those of the runs it resumed (up to the
+        checkpoint it resumed from; the steps redone after an interruption count once)."""
+        return self._earlier_wall_time + time.perf_counter() - self._started
 
     def _start_fresh(self) -> None:
         """Refuses another run's files in ``output_dir`` (or clears them with ``overwrite_output_dir``), and
@@ -723,9 +734,7 @@ class DrafterTrainer(Trainer):
         """The training record of a run that had already finished (resumed from its intact last checkpoint), else
         ``None``: a finished run is not finished again, so its record keeps its timings. (Resumed from a copy set
         aside by an interrupted save, it is finished again, which puts its last checkpoint back.)"""
-        with open(os.path.join(checkpoint, "trainer_state.json"), encoding="utf-8") as fh:
-            state = json.load(fh)
-        step, total = int(state["global_step"]), self.total_steps
+        step, total = steps_done(checkpoint), self.total_steps
         path = os.path.join(self.args.output_dir, RECORD_FILE)
         intact = os.path.basename(checkpoint) == f"{CHECKPOINT_PREFIX}{step}"
         if step < total or not intact or not os.path.isfile(path):
@@ -738,9 +747,10 @@ class DrafterTrainer(Trainer):
         with open(path, encoding="utf-8") as fh:
             return json.load(fh)
 
-    def _finish(self, elapsed: float) -> dict:
+    def _finish(self) -> dict:
         """Saves the trained drafter to ``output_dir`` and writes its training record (and the last checkpoint, when a
         run resumed at its last step from a copy set aside by an interrupted save: that puts the checkpoint back)."""
+        elapsed = self._wall_time()  # training only: the final evaluation and saving do not count
         last = os.path.join(self.args.output_dir, f"{CHECKPOINT_PREFIX}{self.state.global_step}")
         if checkpoint_missing_files(last):
             self.save_checkpoint()
@@ -778,8 +788,10 @@ class DrafterTrainer(Trainer):
             "final_train": self.history[-1] if self.history else None,
             "final_eval": None if final_eval is None else final_eval.as_dict(),
             "eval_history": self.eval_history,
+            "tokens": self._tokens,
             "tokens_per_second": round(self._tokens / elapsed, 1) if elapsed > 0 else None,
             "wall_time_s": round(elapsed, 2),
+            "resumed_at_step": self._resumed_at,
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "peak_gpu_mb": None if gpu_mb is None else round(gpu_mb, 1),
             "processes": self.args.world_size,
