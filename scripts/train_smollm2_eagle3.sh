@@ -21,7 +21,7 @@
 #      before, kept as model_cards/candidates/smollm2-eagle3-grown38;
 #   6. and 7. one epoch more each on the same records, a fresh cosine from lr 1e-3 (the stage-5 dumps hard-linked in,
 #      training about 55 minutes each; runs/smollm2-grown38b/drafter, then runs/smollm2-grown38c/drafter), kept as
-#      model_cards/candidates/smollm2-eagle3-grown38b and -grown38c.
+#      model_cards/candidates/smollm2-eagle3-grown38b and -grown38c; the last is the shipped drafter.
 # Ship a rebuilt drafter (then rerun scripts/bench_smollm2.sh, the demo and the card, README's figures table):
 #   cp runs/smollm2-grown38c/drafter/{config.json,model.safetensors,training_record.json} src/hf_specdec/assets/smollm2-drafter/
 set -euo pipefail
