@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The shipped EAGLE-3 drafter for SmolLM2-135M-Instruct (src/hf_specdec/assets/smollm2-drafter), rebuilt from the
-# committed self-distillation data (data/smollm2-distill) in seven resumable stages, about 8 h 30 min on 2 CPU cores:
+# committed self-distillation data (data/smollm2-distill) in eight resumable stages, about 9 h 40 min on 2 CPU cores:
 #   1. the 1.5M-token point of the scaling curve: features from the bf16 target (dumped once, about 27 minutes;
 #      skipped when runs/smollm2-scaling holds them) and one epoch, batch 4, lr 1e-3, bf16 autocast
 #      (runs/smollm2-scaling/size-1500000; skipped when done);
@@ -21,9 +21,13 @@
 #      before, kept as model_cards/candidates/smollm2-eagle3-grown38;
 #   6. and 7. one epoch more each on the same records, a fresh cosine from lr 1e-3 (the stage-5 dumps hard-linked in,
 #      training about 55 minutes each; runs/smollm2-grown38b/drafter, then runs/smollm2-grown38c/drafter), kept as
-#      model_cards/candidates/smollm2-eagle3-grown38b and -grown38c; the last is the shipped drafter.
+#      model_cards/candidates/smollm2-eagle3-grown38b and -grown38c (shipped before);
+#   8. one epoch on the training records of shards 15-40 (2.68M answer tokens: shards 38-40 new), a fresh cosine from
+#      lr 1e-3, scored on the held-out records of all 41 shards (the stage-5 dumps hard-linked in, features of shards
+#      38-40 about 8 minutes, training about 66 minutes; runs/smollm2-grown41/drafter), kept as
+#      model_cards/candidates/smollm2-eagle3-grown41; the shipped drafter.
 # Ship a rebuilt drafter (then rerun scripts/bench_smollm2.sh, the demo and the card, README's figures table):
-#   cp runs/smollm2-grown38c/drafter/{config.json,model.safetensors,training_record.json} src/hf_specdec/assets/smollm2-drafter/
+#   cp runs/smollm2-grown41/drafter/{config.json,model.safetensors,training_record.json} src/hf_specdec/assets/smollm2-drafter/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SCALING=runs/smollm2-scaling
@@ -66,3 +70,11 @@ for stage in 38b:38 38c:38b; do
     python scripts/train_smollm2_grown.py --shards 38 --from-shard 15 --lr 1e-3 --epochs 1.0 \
         --drafter "$from/drafter" --out "$out" --results "$out/results"
 done
+
+# stage 8: the records of shards 38-40 added; only their features are dumped (the stage-5 dumps hard-linked in first)
+mkdir -p runs/smollm2-grown41
+for dump in features-train features-eval; do
+    [ -e runs/smollm2-grown41/$dump ] || cp -al runs/smollm2-grown38/$dump runs/smollm2-grown41/
+done
+python scripts/train_smollm2_grown.py --shards 41 --from-shard 15 --lr 1e-3 --epochs 1.0 \
+    --drafter runs/smollm2-grown38c/drafter --out runs/smollm2-grown41 --results runs/smollm2-grown41/results
