@@ -61,20 +61,21 @@ python scripts/train_smollm2_grown.py --shards 38 --from-shard 15 --lr 1e-3 --ep
     --drafter runs/smollm2-grown34/drafter --out runs/smollm2-grown38 --results runs/smollm2-grown38/results
 
 # stages 6 and 7: the same records again, reading the stage-5 dumps (hard links: no copy, no second dump)
+# link_dumps SRC DST: hard-links SRC's feature dumps into DST (no copy; a resumed dump extends DST's own index)
+link_dumps() {
+    mkdir -p "$2"
+    for dump in features-train features-eval; do
+        [ -e "$2/$dump" ] || cp -al "$1/$dump" "$2/"
+    done
+}
 for stage in 38b:38 38c:38b; do
     out=runs/smollm2-grown${stage%%:*} from=runs/smollm2-grown${stage##*:}
-    mkdir -p "$out"
-    for dump in features-train features-eval; do
-        [ -e "$out/$dump" ] || cp -al runs/smollm2-grown38/$dump "$out/"
-    done
+    link_dumps runs/smollm2-grown38 "$out"
     python scripts/train_smollm2_grown.py --shards 38 --from-shard 15 --lr 1e-3 --epochs 1.0 \
         --drafter "$from/drafter" --out "$out" --results "$out/results"
 done
 
 # stage 8: the records of shards 38-40 added; only their features are dumped (the stage-5 dumps hard-linked in first)
-mkdir -p runs/smollm2-grown41
-for dump in features-train features-eval; do
-    [ -e runs/smollm2-grown41/$dump ] || cp -al runs/smollm2-grown38/$dump runs/smollm2-grown41/
-done
+link_dumps runs/smollm2-grown38 runs/smollm2-grown41
 python scripts/train_smollm2_grown.py --shards 41 --from-shard 15 --lr 1e-3 --epochs 1.0 \
     --drafter runs/smollm2-grown38c/drafter --out runs/smollm2-grown41 --results runs/smollm2-grown41/results
