@@ -17,6 +17,13 @@ prompts of ``hf_specdec.chat_prompts.long_context_prompts`` (documents to summar
 German sentences to translate), the styles of Spec-Bench's summarization, rag and translation categories::
 
     python scripts/build_smollm2_distill.py --source long-context --num-shards 3
+
+``--source answer-documents`` builds the same two long styles from the target's own earlier answers instead
+(``data/smollm2-distill-docs``; ``hf_specdec.chat_prompts.answer_document_prompts``): documents to summarise and
+passages with a question, made of the training answers of ``data/smollm2-distill`` (its held-out records, the
+scaling curve's rule, are left out so that no held-out answer is trained on)::
+
+    python scripts/build_smollm2_distill.py --source answer-documents --num-shards 2
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
+
 
 def long_context_records(num_shards: int, shard_size: int, seed: int) -> list[dict]:
     """Each shard's long-context prompts, drawn with a seed of its own: extending the set leaves earlier shards as
@@ -37,10 +46,42 @@ def long_context_records(num_shards: int, shard_size: int, seed: int) -> list[di
     return [r for shard in range(num_shards) for r in long_context_prompts(shard_size, seed=seed * 1000 + shard)]
 
 
+def answer_document_records(num_shards: int, shard_size: int, seed: int, documents: str, eval_every: int):
+    """Each shard's answer-document prompts, drawn with a seed of its own from the training answers of the data
+    set ``documents``."""
+    from train_smollm2_scaling import split_records
+
+    from hf_specdec.chat_prompts import answer_document_prompts
+    from hf_specdec.training.distill import read_distill_dataset
+
+    answers, _held_out = split_records(read_distill_dataset(documents), eval_every)
+    return [
+        r for shard in range(num_shards) for r in answer_document_prompts(answers, shard_size, seed=seed * 1000 + shard)
+    ]
+
+
+def extra_records(args) -> list[dict]:
+    """The prompts ``--source`` uses before the target synthesises any (none for ``chat``)."""
+    if args.source == "long-context":
+        return long_context_records(args.num_shards, args.shard_size, args.seed)
+    if args.source == "answer-documents":
+        return answer_document_records(args.num_shards, args.shard_size, args.seed, args.documents, args.eval_every)
+    return []
+
+
+DEFAULT_OUT = {
+    "chat": "data/smollm2-distill",
+    "long-context": "data/smollm2-distill-long",
+    "answer-documents": "data/smollm2-distill-docs",
+}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--source", choices=("chat", "long-context"), default="chat")
-    p.add_argument("--out", default=None, help="default: data/smollm2-distill, or data/smollm2-distill-long")
+    p.add_argument("--source", choices=tuple(DEFAULT_OUT), default="chat")
+    p.add_argument("--out", default=None, help="default: " + ", ".join(f"{v} ({k})" for k, v in DEFAULT_OUT.items()))
+    p.add_argument("--documents", default="data/smollm2-distill", help="answer-documents: the answers' data set")
+    p.add_argument("--eval-every", type=int, default=64, help="answer-documents: the held-out rule left out")
     p.add_argument("--work-dir", default=None, help="unfinished shards (resumable); default: runs/<out's name>-work")
     p.add_argument("--num-shards", type=int, default=15)
     p.add_argument("--shard-size", type=int, default=512)
@@ -55,10 +96,9 @@ def main(argv=None):
     from hf_specdec.gguf_target import load_smollm2
     from hf_specdec.training.distill import build_distill_dataset
 
-    long_context = args.source == "long-context"
-    out = args.out or ("data/smollm2-distill-long" if long_context else "data/smollm2-distill")
+    out = args.out or DEFAULT_OUT[args.source]
     work_dir = args.work_dir or os.path.join("runs", os.path.basename(os.path.normpath(out)) + "-work")
-    extra = long_context_records(args.num_shards, args.shard_size, args.seed) if long_context else []
+    extra = extra_records(args)
     target, tokenizer = load_smollm2(dtype=args.dtype)
     target.eval()
     command = "python scripts/build_smollm2_distill.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
@@ -70,7 +110,7 @@ def main(argv=None):
         shard_size=args.shard_size,
         work_dir=work_dir,
         extra_records=extra,
-        templated_share=0.0 if long_context else 0.25,
+        templated_share=0.25 if args.source == "chat" else 0.0,
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
         seed=args.seed,

@@ -84,3 +84,60 @@ def test_without_german_catalogs_the_other_styles_fill_the_set(monkeypatch):
     monkeypatch.setattr(chat_prompts, "german_sentences", lambda: [])
     counts = Counter(r["category"] for r in long_context_prompts(100, seed=0))
     assert counts == {"rag": 47, "summarization": 53}
+
+
+def chat_record(question: str, answer: str, finished: bool = True) -> dict:
+    return {
+        "messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+        "finished": finished,
+    }
+
+
+def answer_records() -> list[dict]:
+    prose = [
+        chat_record(f"Why is topic {i} important?", f"Topic {i} matters to many people. " * 12 + f"End of answer {i}.")
+        for i in range(12)
+    ]
+    cut = chat_record("What was cut?", "The cut answer has full sentences. " * 12 + "And then a half", finished=False)
+    code = chat_record("Write code?", "Here it is:\n```python\nprint('x')\n```\n" + "Explained at length. " * 20)
+    listed = chat_record("List things?", "\n".join(f"- item {i} of a long list of things" for i in range(12)))
+    refusal = chat_record("Help me?", "I'm sorry, but as a chatbot I cannot do that for you today. " * 8)
+    return prose + [cut, code, listed, refusal]
+
+
+def test_answer_document_prompts_build_summaries_and_passages_from_finished_prose_answers():
+    from hf_specdec.chat_prompts import answer_document_prompts
+
+    prompts = answer_document_prompts(answer_records(), 40, seed=0)
+    openings = {f"Why is topic {i} important?": f"Topic {i} matters" for i in range(12)}
+    openings["What was cut?"] = "The cut answer"
+    assert Counter(r["category"] for r in prompts) == {"rag": 20, "summarization": 20}
+    assert {r["source"] for r in prompts} == {"hf_specdec.chat_prompts.answer_documents"}
+    for r in prompts:
+        text = r["prompt"]
+        assert "And then a half" not in text and "```" not in text and "item 3 of" not in text
+        assert "chatbot" not in text
+        if r["category"] == "summarization":
+            assert 2000 <= len(text) <= 4600 and ("Summarize" in text or text.endswith("TL;DR:"))
+        else:
+            *passages, question = text.split("\n")
+            assert 3 <= len(passages) <= 5 and all(300 <= len(p) <= 1100 for p in passages)
+            opening = openings[question]  # the question's own answer is one of the passages
+            assert any(p.startswith(opening) for p in passages)
+
+
+def test_answer_document_prompts_are_deterministic_and_refuse_too_few_answers():
+    from hf_specdec.chat_prompts import answer_document_prompts
+
+    records = answer_records()
+    assert answer_document_prompts(records, 10, seed=1) == answer_document_prompts(records, 10, seed=1)
+    assert answer_document_prompts(records, 10, seed=1) != answer_document_prompts(records, 10, seed=2)
+    with pytest.raises(ValueError, match="at least 5 prose answers"):
+        answer_document_prompts(records[:3] + records[12:], 10)  # the cut answer counts, its half sentence cut off
+
+
+def test_answer_document_prompts_use_cut_answers_up_to_their_last_sentence():
+    from hf_specdec.chat_prompts import answer_document_prompts
+
+    texts = " ".join(r["prompt"] for r in answer_document_prompts(answer_records(), 60, seed=0))
+    assert "The cut answer has full sentences." in texts and "And then a half" not in texts

@@ -14,6 +14,7 @@ internet, from three kinds of material:
 :func:`long_context_prompts` adds the long-context half of Spec-Bench's styles: documents of several thousand
 characters to summarise, several passages followed by a question (retrieval-augmented answers), and German sentences
 to translate, taken from the German message catalogs installed on the machine (``/usr/share/locale/de``).
+:func:`answer_document_prompts` builds the same summarisation and passage styles from a target's own answers.
 
 The prompt styles mirror Spec-Bench's six categories (conversation, translation, summarisation, QA, math reasoning,
 retrieval-augmented answers) without using any of its prompts: :func:`check_disjoint` rejects any prompt that shares
@@ -581,6 +582,85 @@ def long_context_prompts(num_prompts: int = 1536, seed: int = 0) -> list[dict]:
 
 def _record(text: str, category: str) -> dict:
     return {"prompt": text, "category": category, "source": "hf_specdec.chat_prompts.long_context"}
+
+
+def answer_document_prompts(records: list[dict], num_prompts: int, seed: int = 0) -> list[dict]:
+    """``num_prompts`` long-context prompts ``{"prompt", "category", "source"}`` whose documents are answers a target
+    wrote itself: ``records`` are chat records of a self-distillation data set
+    (:func:`hf_specdec.training.distill.read_distill_dataset`), of which the prose answers (no code, few list lines,
+    no chatbot talk such as refusals or offers of help) are used, an answer the target did not end cut at its last
+    full sentence. Half are ``summarization`` (answers run together into a document of 2,000 to 4,500 characters),
+    half ``rag`` (three to five answers cut like retrieved chunks, then the user question one of them answers).
+    Unlike the README paragraphs and docstrings of :func:`long_context_prompts`, such documents are prose in the
+    target's own distribution, as Spec-Bench's news articles and encyclopedia passages are prose. Deterministic for
+    given records and seed."""
+    answers = _document_answers(records)
+    questions = [(q, a) for q, a in answers if len(q) <= 200 and q.rstrip().endswith("?")] or answers
+    if len(answers) < 5:
+        raise ValueError(
+            f"answer_document_prompts needs at least 5 prose answers of 300 characters or more, got {len(answers)}:"
+            " pass the records of a self-distillation data set (hf_specdec.training.distill.read_distill_dataset)"
+        )
+    rng = random.Random(seed)
+    n_rag = num_prompts // 2
+    prompts = [_answer_record(_answer_rag_prompt(rng, answers, questions), "rag") for _ in range(n_rag)]
+    for _ in range(num_prompts - n_rag):
+        document = _answer_document(rng, answers, rng.randint(2000, 3800), 4500)
+        prompts.append(_answer_record(rng.choice(_SUMMARY_TASKS).format(d=document), "summarization"))
+    rng.shuffle(prompts)
+    return prompts
+
+
+_CHATBOT_TALK = re.compile(
+    r"sorry|chatbot|\bAI\b|unable|not able|not equipped|assist|I'm here|I am here|help you|I can't|I cannot", re.I
+)
+
+
+def _document_answers(records: list[dict]) -> list[tuple[str, str]]:
+    """``(user prompt, answer)`` of the single-turn records whose answer is prose of 300 characters or more without
+    chatbot talk; an answer the target did not end is cut after its last full sentence."""
+    out = []
+    for r in records:
+        if [m["role"] for m in r.get("messages", [])] != ["user", "assistant"]:
+            continue
+        question, answer = (m["content"].strip() for m in r["messages"])
+        if not r.get("finished", True):
+            answer = answer[: answer.rfind(". ") + 1]
+        if len(answer) >= 300 and _is_prose(answer) and not _CHATBOT_TALK.search(answer):
+            out.append((question, answer))
+    return out
+
+
+def _is_prose(text: str) -> bool:
+    """No code block, and at most a quarter of the lines are list items or headings."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    listed = sum(bool(re.match(r"\s*([-*•#]|\d+[.)])", line)) for line in lines)
+    return "```" not in text and listed <= len(lines) // 4
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text`` cut at the last word boundary before ``limit`` characters."""
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0]
+
+
+def _answer_document(rng: random.Random, answers, min_chars: int, max_chars: int) -> str:
+    parts: list[str] = []
+    while sum(map(len, parts)) < min_chars:
+        parts.append(rng.choice(answers)[1])
+    return _cut("\n\n".join(parts), max_chars)
+
+
+def _answer_rag_prompt(rng: random.Random, answers, questions) -> str:
+    """Chunks of several answers, one of them the answer to the closing question, each cut like a retrieved
+    passage."""
+    question, answer = rng.choice(questions)
+    chunks = [_cut(a, rng.randint(600, 1100)) for _, a in rng.sample(answers, rng.randint(2, 4))]
+    chunks.insert(rng.randint(0, len(chunks)), _cut(answer, rng.randint(600, 1100)))
+    return "\n".join(" ".join(c.split()) for c in chunks) + "\n" + question
+
+
+def _answer_record(text: str, category: str) -> dict:
+    return {"prompt": text, "category": category, "source": "hf_specdec.chat_prompts.answer_documents"}
 
 
 def benchmark_texts() -> list[str]:

@@ -402,6 +402,9 @@ _SOURCE_NAMES = {
     "hf_specdec.chat_prompts": "hf_specdec's templated prompts (`hf_specdec.chat_prompts.chat_training_prompts`)",
     "hf_specdec.chat_prompts.long_context": "hf_specdec's long-context prompts (`hf_specdec.chat_prompts."
     "long_context_prompts`: documents to summarise, passages with a question, German sentences to translate)",
+    "hf_specdec.chat_prompts.answer_documents": "hf_specdec's answer-document prompts (`hf_specdec.chat_prompts."
+    "answer_document_prompts`: the target's own earlier answers as documents to summarise and passages with a "
+    "question)",
     "user": "the user's own records (`extra_records`)",
 }
 _LONG_CONTEXT_LICENSE = (
