@@ -24,11 +24,19 @@ passages with a question, made of the training answers of ``data/smollm2-distill
 scaling curve's rule, are left out so that no held-out answer is trained on)::
 
     python scripts/build_smollm2_distill.py --source answer-documents --num-shards 2
+
+Those answers are the target's greedy text, which the drafter already predicts well; Spec-Bench's articles are not.
+``--source sampled-documents`` (``data/smollm2-distill-news``) first has the target *sample* ``--num-documents``
+documents at temperature 1 (news articles, reports, encyclopedia articles, feature stories, press releases on the
+templated topics: ``hf_specdec.chat_prompts.document_writing_prompts``), then builds the same two styles over them::
+
+    python scripts/build_smollm2_distill.py --source sampled-documents --num-shards 1
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -60,12 +68,35 @@ def answer_document_records(num_shards: int, shard_size: int, seed: int, documen
     ]
 
 
-def extra_records(args) -> list[dict]:
+def sampled_document_records(args, target, tokenizer, work_dir: str) -> list[dict]:
+    """Each shard's summarization and passage prompts over documents the target samples first (temperature 1,
+    ``--num-documents`` of them, resumable in ``work_dir``)."""
+    from hf_specdec.chat_prompts import answer_document_prompts, document_writing_prompts
+    from hf_specdec.training.regenerate import regenerate
+
+    path = os.path.join(work_dir, "documents.jsonl")
+    writing = document_writing_prompts(args.num_documents, seed=args.seed)
+    os.makedirs(work_dir, exist_ok=True)
+    regenerate(target, tokenizer, writing, path, max_new_tokens=512, temperature=1.0, top_p=0.95,
+               batch_size=args.batch_size, seed=args.seed)  # fmt: skip
+    with open(path, encoding="utf-8") as fh:
+        documents = [json.loads(line) for line in fh]
+    for d in documents:  # prompt records come back with a "response": the chat record answer_document_prompts reads
+        d["messages"] = [{"role": "user", "content": d["prompt"]}, {"role": "assistant", "content": d["response"]}]
+    return [
+        r for shard in range(args.num_shards)
+        for r in answer_document_prompts(documents, args.shard_size, seed=args.seed * 1000 + shard)
+    ]  # fmt: skip
+
+
+def extra_records(args, target, tokenizer, work_dir: str) -> list[dict]:
     """The prompts ``--source`` uses before the target synthesises any (none for ``chat``)."""
     if args.source == "long-context":
         return long_context_records(args.num_shards, args.shard_size, args.seed)
     if args.source == "answer-documents":
         return answer_document_records(args.num_shards, args.shard_size, args.seed, args.documents, args.eval_every)
+    if args.source == "sampled-documents":
+        return sampled_document_records(args, target, tokenizer, work_dir)
     return []
 
 
@@ -73,6 +104,7 @@ DEFAULT_OUT = {
     "chat": "data/smollm2-distill",
     "long-context": "data/smollm2-distill-long",
     "answer-documents": "data/smollm2-distill-docs",
+    "sampled-documents": "data/smollm2-distill-news",
 }
 
 
@@ -82,6 +114,7 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="default: " + ", ".join(f"{v} ({k})" for k, v in DEFAULT_OUT.items()))
     p.add_argument("--documents", default="data/smollm2-distill", help="answer-documents: the answers' data set")
     p.add_argument("--eval-every", type=int, default=64, help="answer-documents: the held-out rule left out")
+    p.add_argument("--num-documents", type=int, default=1024, help="sampled-documents: how many to sample")
     p.add_argument("--work-dir", default=None, help="unfinished shards (resumable); default: runs/<out's name>-work")
     p.add_argument("--num-shards", type=int, default=15)
     p.add_argument("--shard-size", type=int, default=512)
@@ -98,9 +131,9 @@ def main(argv=None):
 
     out = args.out or DEFAULT_OUT[args.source]
     work_dir = args.work_dir or os.path.join("runs", os.path.basename(os.path.normpath(out)) + "-work")
-    extra = extra_records(args)
     target, tokenizer = load_smollm2(dtype=args.dtype)
     target.eval()
+    extra = extra_records(args, target, tokenizer, work_dir)
     command = "python scripts/build_smollm2_distill.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     index = build_distill_dataset(
         target,

@@ -141,3 +141,18 @@ def test_answer_document_prompts_use_cut_answers_up_to_their_last_sentence():
 
     texts = " ".join(r["prompt"] for r in answer_document_prompts(answer_records(), 60, seed=0))
     assert "The cut answer has full sentences." in texts and "And then a half" not in texts
+
+
+def test_document_writing_prompts_pair_each_request_with_its_question_and_cycle_the_topics():
+    from hf_specdec.chat_prompts import answer_document_prompts, document_writing_prompts
+
+    prompts = document_writing_prompts(700, seed=0)
+    assert len(prompts) == 700 and prompts == document_writing_prompts(700, seed=0)
+    assert len({r["prompt"] for r in prompts}) > 500  # every style-topic pair before any repeats
+    for r in prompts:
+        topic = r["prompt"].rstrip(".").split(" about ")[-1].split(" involving ")[-1]
+        assert r["question"].endswith(f"{topic}?") and r["source"] == "hf_specdec.chat_prompts.documents"
+    documents = [{**chat_record(r["prompt"], f"About {i}. " + "A sampled sentence. " * 20), "question": r["question"]}
+                 for i, r in enumerate(prompts[:8])]  # fmt: skip
+    rag = [r["prompt"] for r in answer_document_prompts(documents, 6, seed=0) if r["category"] == "rag"]
+    assert rag and all(text.split("\n")[-1] in {r["question"] for r in prompts[:8]} for text in rag)

@@ -590,7 +590,8 @@ def answer_document_prompts(records: list[dict], num_prompts: int, seed: int = 0
     (:func:`hf_specdec.training.distill.read_distill_dataset`), of which the prose answers (no code, few list lines,
     no chatbot talk such as refusals or offers of help) are used, an answer the target did not end cut at its last
     full sentence. Half are ``summarization`` (answers run together into a document of 2,000 to 4,500 characters),
-    half ``rag`` (three to five answers cut like retrieved chunks, then the user question one of them answers).
+    half ``rag`` (three to five answers cut like retrieved chunks, then the user question one of them answers, or
+    the record's ``question``: see :func:`document_writing_prompts`).
     Unlike the README paragraphs and docstrings of :func:`long_context_prompts`, such documents are prose in the
     target's own distribution, as Spec-Bench's news articles and encyclopedia passages are prose. Deterministic for
     given records and seed."""
@@ -611,19 +612,48 @@ def answer_document_prompts(records: list[dict], num_prompts: int, seed: int = 0
     return prompts
 
 
+_DOCUMENT_STYLES = (
+    ("Write a news article about {t}.", "What is the news about {t}?"),
+    ("Write a news report on a recent event involving {t}.", "What happened involving {t}?"),
+    ("Write an encyclopedia article about {t}.", "What is known about {t}?"),
+    ("Write a magazine feature story about {t}.", "What does the story say about {t}?"),
+    ("Write a press release about {t}.", "What was announced about {t}?"),
+)
+
+
+def document_writing_prompts(num_prompts: int, seed: int = 0) -> list[dict]:
+    """``num_prompts`` prompts ``{"prompt", "question", "category", "source"}`` asking for a document (a news
+    article or report, an encyclopedia article, a feature story, a press release) on one of the templated topics,
+    each with the ``question`` a passage-QA prompt over that document can close with. Sampled at temperature 1, a
+    target's documents are text its own greedy continuation does not predict, like the news articles of Spec-Bench:
+    a summary or answer that copies from them rewards a drafter that reads the document
+    (:func:`answer_document_prompts` builds the prompts over them). Deterministic for a given seed."""
+    rng = random.Random(seed)
+    pairs = [(style, topic) for style in _DOCUMENT_STYLES for topic in _TOPICS]
+    prompts = []
+    while len(prompts) < num_prompts:
+        rng.shuffle(pairs)
+        for (prompt, question), topic in pairs[: num_prompts - len(prompts)]:
+            prompts.append({"prompt": prompt.format(t=topic), "question": question.format(t=topic),
+                            "category": "document", "source": "hf_specdec.chat_prompts.documents"})  # fmt: skip
+    return prompts
+
+
 _CHATBOT_TALK = re.compile(
     r"sorry|chatbot|\bAI\b|unable|not able|not equipped|assist|I'm here|I am here|help you|I can't|I cannot", re.I
 )
 
 
 def _document_answers(records: list[dict]) -> list[tuple[str, str]]:
-    """``(user prompt, answer)`` of the single-turn records whose answer is prose of 300 characters or more without
-    chatbot talk; an answer the target did not end is cut after its last full sentence."""
+    """``(question, answer)`` of the single-turn records whose answer is prose of 300 characters or more without
+    chatbot talk; the question is the record's ``question`` where it has one, else its user prompt; an answer the
+    target did not end is cut after its last full sentence."""
     out = []
     for r in records:
         if [m["role"] for m in r.get("messages", [])] != ["user", "assistant"]:
             continue
         question, answer = (m["content"].strip() for m in r["messages"])
+        question = r.get("question", question)
         if not r.get("finished", True):
             answer = answer[: answer.rfind(". ") + 1]
         if len(answer) >= 300 and _is_prose(answer) and not _CHATBOT_TALK.search(answer):

@@ -403,8 +403,8 @@ _SOURCE_NAMES = {
     "hf_specdec.chat_prompts.long_context": "hf_specdec's long-context prompts (`hf_specdec.chat_prompts."
     "long_context_prompts`: documents to summarise, passages with a question, German sentences to translate)",
     "hf_specdec.chat_prompts.answer_documents": "hf_specdec's answer-document prompts (`hf_specdec.chat_prompts."
-    "answer_document_prompts`: the target's own earlier answers as documents to summarise and passages with a "
-    "question)",
+    "answer_document_prompts`: the target's own texts, earlier answers or documents it sampled, as documents to "
+    "summarise and passages with a question)",
     "user": "the user's own records (`extra_records`)",
 }
 _LONG_CONTEXT_LICENSE = (
