@@ -30,7 +30,7 @@ Those answers are the target's greedy text, which the drafter already predicts w
 documents at temperature 1 (news articles, reports, encyclopedia articles, feature stories, press releases on the
 templated topics: ``hf_specdec.chat_prompts.document_writing_prompts``), then builds the same two styles over them::
 
-    python scripts/build_smollm2_distill.py --source sampled-documents --num-shards 1
+    python scripts/build_smollm2_distill.py --source sampled-documents --num-shards 1 --num-documents 512
 """
 
 from __future__ import annotations

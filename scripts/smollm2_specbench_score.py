@@ -44,6 +44,17 @@ def features_by_category(target, tokenizer, answers: list[dict], config, work: s
     return dirs
 
 
+def drafter_names(paths: list[str]) -> dict[str, str]:
+    """``{name: path}``: each drafter named by its folder, or by its last two path parts where folders share a name
+    (``runs/a/drafter``, ``runs/b/drafter``)."""
+    folders = [os.path.normpath(path).split(os.sep) for path in paths]
+    names = [parts[-1] for parts in folders]
+    return {
+        "/".join(parts[-2:]) if names.count(name) > 1 else name: path
+        for name, parts, path in zip(names, folders, paths)
+    }
+
+
 def markdown(result: dict) -> str:
     categories = list(next(iter(result["scores"].values())))
     lines = [
@@ -85,7 +96,7 @@ def main(argv=None):
     target, tokenizer = load_smollm2(dtype="bfloat16")
     target.eval()
     answers = spec_bench_answers(target, tokenizer, args.per_category, args.max_new_tokens, args.work)
-    drafters = {os.path.basename(os.path.normpath(path)): path for path in args.drafters}
+    drafters = drafter_names(args.drafters)
     first = AutoModelForDrafting.from_pretrained(args.drafters[0])
     dirs = features_by_category(target, tokenizer, answers, first.config, args.work, args.max_length)
     scores = {}
