@@ -14,7 +14,8 @@ internet, from three kinds of material:
 :func:`long_context_prompts` adds the long-context half of Spec-Bench's styles: documents of several thousand
 characters to summarise, several passages followed by a question (retrieval-augmented answers), and German sentences
 to translate, taken from the German message catalogs installed on the machine (``/usr/share/locale/de``).
-:func:`answer_document_prompts` builds the same summarisation and passage styles from a target's own answers.
+:func:`answer_document_prompts` builds the same summarisation and passage styles from a target's own text: its
+earlier answers, or documents it samples from :func:`document_writing_prompts`.
 
 The prompt styles mirror Spec-Bench's six categories (conversation, translation, summarisation, QA, math reasoning,
 retrieval-augmented answers) without using any of its prompts: :func:`check_disjoint` rejects any prompt that shares
