@@ -34,11 +34,13 @@ def widened_mlp_drafter(drafter, intermediate_size: int):
         target = state[name]
         if target.shape == value.shape:
             target.copy_(value)
-        elif name.endswith("down_proj.weight"):  # (hidden, units): the new units' columns stay zero
+        elif name.endswith("mlp.down_proj.weight"):  # (hidden, units): the new units' columns stay zero
             target.zero_()
             target[:, :old].copy_(value)
-        else:  # gate_proj / up_proj (units, hidden): the trained rows first, the new rows keep their fresh init
+        elif name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):  # (units, hidden): new rows keep init
             target[:old].copy_(value)
+        else:
+            raise SystemExit(f"{name}: {tuple(value.shape)} -> {tuple(target.shape)}, not an MLP weight; cannot widen.")
     wider.load_state_dict(state)
     return wider
 
