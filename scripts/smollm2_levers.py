@@ -12,7 +12,11 @@ a baseline trained in the same run on the same examples for the same steps:
 * ``mlp-3x``: drafter capacity (the draft layer's MLP three times as wide, 4608);
 * ``ttt-3``: training-time-test depth (three unrolled draft steps in the loss instead of five);
 * ``lr-6e-3``, ``lr-1.2e-2`` and ``lr-3e-3+mlp-3x``: how far the rate goes, and whether rate and capacity add up;
-* ``layers-2`` and ``layers-2+lr-6e-3``: drafter depth (two draft layers, the second a plain Llama layer).
+* ``layers-2`` and ``layers-2+lr-6e-3``: drafter depth (two draft layers, the second a plain Llama layer);
+* ``features-*``: which target states the drafter fuses (``target_layer_ids``; the shipped drafter reads 2, 15, 27:
+  the inputs of decoder layers 2, L/2 and L-3). ``30`` is the target's final state, the normed hidden state its
+  LM head reads; every dump serves it (``OfflineFeatureDataset`` keeps the last hidden state), so these variants
+  train on the same dump as the others.
 
 Data: the training records of ``--from-shard`` .. ``--shards``-1 of ``data/smollm2-distill`` (the first
 ``--max-records`` of them) and the held-out records of every shard up to ``--shards`` (the scaling curve's hash rule),
@@ -52,7 +56,12 @@ VARIANTS = {
     "lr-3e-3+mlp-3x": ({"intermediate_size": 4608}, {"learning_rate": 3e-3}),
     "layers-2": ({"num_hidden_layers": 2}, {}),
     "layers-2+lr-6e-3": ({"num_hidden_layers": 2}, {"learning_rate": 6e-3}),
+    "features-2-15-30": ({"target_layer_ids": [2, 15, 30]}, {}),
+    "features-15-27-30": ({"target_layer_ids": [15, 27, 30]}, {}),
+    "features-30": ({"target_layer_ids": [30]}, {}),
+    "features-2-15-27-30": ({"target_layer_ids": [2, 15, 27, 30]}, {}),
 }
+DEFAULT_VARIANTS = list(VARIANTS)[:8]  # the committed levers run (smollm2-eagle3-levers.md); the rest by --variants
 
 
 def parse_args(argv):
@@ -61,7 +70,7 @@ def parse_args(argv):
     p.add_argument("--shards", type=int, default=21, help="read the data set's first N shards")
     p.add_argument("--from-shard", type=int, default=15, help="train on the records of this shard on")
     p.add_argument("--max-records", type=int, default=1500, help="train on the first N training records")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     p.add_argument("--out", default="runs/smollm2-grown", help="feature dumps (shared with train_smollm2_grown.py)")
     p.add_argument("--runs", default="runs/smollm2-levers", help="one folder per variant")
     p.add_argument("--results", default="model_cards/results/smollm2-eagle3-levers")

@@ -378,3 +378,28 @@ def test_one_dump_of_the_union_of_layers_serves_every_drafter(target, tmp_path):
     missing = MedusaConfig.for_target(target.config, target_layer_ids=[3])
     with pytest.raises(ValueError, match="union"):
         OfflineFeatureDataset(tmp_path).check_compatible(missing)
+
+
+def test_the_trainer_serves_a_drafter_its_own_layers_from_a_dump_handed_to_it(target, tmp_path):
+    """A dump handed to DrafterTrainer directly (a scoring script does so) is read with the drafter's layers, in its
+    order, subsets included: before, a drafter of other layers was fed the layers the dump stores, without an error."""
+    from hf_specdec import Eagle3ForDrafting
+    from hf_specdec.training.trainer import DrafterTrainer, DrafterTrainingArguments
+
+    stored, top = [1, 2, 3], target.config.num_hidden_layers
+    dump_features(target, make_examples([5, 6, 7]), stored, tmp_path / "dump", progress=False, log=None)
+    raw = OfflineFeatureDataset(tmp_path / "dump")[0]
+
+    def trainer_over(layer_ids, dataset):
+        drafter = Eagle3ForDrafting(Eagle3Config.for_target(target.config, target_layer_ids=layer_ids))
+        targs = DrafterTrainingArguments(output_dir=str(tmp_path / "out"), max_steps=1, report_to="none")
+        subset = torch.utils.data.Subset(torch.utils.data.Subset(dataset, [0, 1, 2]), [0, 1])
+        return DrafterTrainer(drafter, target, targs, subset, dataset, collate_fn=lambda b: collate_offline(b, 0))
+
+    dataset = OfflineFeatureDataset(tmp_path / "dump")
+    trainer_over([top, 1], dataset)
+    assert torch.equal(
+        dataset[0]["target_hidden_states"], torch.stack([raw["target_last_hidden"], raw["target_hidden_states"][0]])
+    )
+    with pytest.raises(ValueError, match="union"):
+        trainer_over([0, 2], OfflineFeatureDataset(tmp_path / "dump"))

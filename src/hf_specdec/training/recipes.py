@@ -232,7 +232,8 @@ def _online_data(data, eval_data, tokenizer, max_length, eval_fraction, seed):
 
 
 def _offline_data(model, target, tokenizer, features_dir, eval_features_dir, eval_fraction, seed):
-    """``(train, held_out, collate, info)`` from dumped features, checked against the drafter and the target."""
+    """``(train, held_out, collate, info)`` from dumped features, checked against the drafter and the target (the
+    trainer checks them again, without the tokenizer, however it is given them)."""
     from .data import split_train_eval
     from .offline import OfflineFeatureDataset, collate_offline
 

@@ -279,6 +279,18 @@ def _is_offline(dataset) -> bool:
     return dataset is not None and len(dataset) > 0 and "target_hidden_states" in dataset[0]
 
 
+def _check_offline_features(dataset, drafter_config, target) -> None:
+    """Dumped target features (an ``OfflineFeatureDataset``, or an index subset of one) must come from ``target`` and
+    serve the drafter's ``target_layer_ids`` in its order: checked here, so that a dump handed to the trainer directly
+    is never read with the layers it happens to store (a drafter of other layers would train or score on the wrong
+    states without an error)."""
+    while hasattr(dataset, "dataset") and not hasattr(dataset, "check_compatible"):
+        dataset = dataset.dataset  # torch.utils.data.Subset
+    if hasattr(dataset, "check_compatible"):
+        dataset.check_compatible(drafter_config)
+        dataset.check_target(target)
+
+
 class DrafterTrainer(Trainer):
     """Trains ``drafter`` to draft for the frozen ``target``: a :class:`transformers.Trainer`.
 
@@ -361,6 +373,8 @@ class DrafterTrainer(Trainer):
         target does not have fails deep inside it, or is miscounted: it is refused here, naming its line)."""
         from .data import check_has_loss_tokens, check_token_ids
 
+        for dataset in (train_dataset, eval_dataset):
+            _check_offline_features(dataset, DrafterTrainer._base_drafter(drafter).config, target)
         check_has_loss_tokens(train_dataset)
         vocab = _target_vocab_size(target, drafter)
         lengths = check_token_ids(train_dataset, vocab, "training")
