@@ -1,0 +1,226 @@
+#!/usr/bin/env python
+"""What a draft vocabulary that covers the context could give the SmolLM2 EAGLE-3 drafter (a diagnostic).
+
+The drafter drafts from a fixed 4,096-token vocabulary. Where the target copies a token of the prompt (a name in
+translation, a number in a summary) that token is often outside it, and no draft can match. This measures, teacher
+forced and for the first draft step only, how much a *context vocabulary* would give: at each answer position the
+candidates are the draft vocabulary plus every token of the sequence so far that is outside it. Those extra tokens
+are scored by the target's own LM-head rows mapped into the drafter's output space by one ``H x H`` matrix ``M``
+(plus one bias, the copy prior), so the drafter's own weights and its drafts from the fixed vocabulary are unchanged:
+
+* ``fixed``: the shipped drafter as it is (its first draft token is the target's greedy token: acc_0);
+* ``mapped``: ``M`` fitted in closed form (least squares from the target's LM-head rows of the draft vocabulary to the
+  drafter's own LM-head rows), no training;
+* ``trained``: ``M`` and the bias trained (cross-entropy on the target's greedy token over the candidates) on the
+  drafter's first-step outputs over ``--train-records`` records of ``--train-features``;
+* ``ceiling``: the share of positions whose target token is a candidate at all (in the vocabulary or the context).
+
+Reads feature dumps only (``train_smollm2_grown.py``'s of the distillation data, ``smollm2_specbench_score.py``'s
+of Spec-Bench); writes ``--results`` ``.json`` and ``.md``.
+
+Usage::
+
+    python scripts/smollm2_context_vocab.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shlex
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from results_files import write_results  # noqa: E402
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--drafter", default="src/hf_specdec/assets/smollm2-drafter")
+    p.add_argument("--train-features", default="runs/depth-ab/features-train")
+    p.add_argument("--train-records", type=int, default=1000)
+    p.add_argument("--held-out-features", default="runs/depth-ab/features-eval")
+    p.add_argument("--spec-bench-features", default="runs/specbench-score", help="folder of features-<category>")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--results", default="model_cards/results/smollm2-context-vocab")
+    return p.parse_args(argv)
+
+
+class Record:
+    """One record's first-step view: the drafter's normed outputs at the scored anchors, the target's token there,
+    the drafter's best fixed-vocabulary candidate, and the context tokens outside the vocabulary (with the first
+    position each appears at)."""
+
+    def __init__(self, hidden, label, best_logit, best_id, lse, label_logit, ctx_ids, ctx_first, anchors):
+        self.hidden, self.label, self.best_logit, self.best_id = hidden, label, best_logit, best_id
+        self.lse, self.label_logit = lse, label_logit
+        self.ctx_ids, self.ctx_first, self.anchors = ctx_ids, ctx_first, anchors
+
+
+@torch.no_grad()
+def first_step_record(drafter, item, head, in_vocab, d2t) -> Record | None:
+    """The :class:`Record` of one dumped example: step 0 at anchor ``a`` drafts the token at ``a + 2``, whose greedy
+    choice is the target's argmax at ``a + 1``."""
+    ids = item["input_ids"].long()
+    anchors = torch.nonzero(item["loss_mask"].bool()[2:]).flatten()
+    if len(anchors) == 0:
+        return None
+    feats = [x[None].float() for x in item["target_hidden_states"]]
+    ((logits, hidden),) = drafter.ttt_forward(ids[None], feats, None, steps=1)
+    logits, hidden = logits[0, anchors].float(), drafter.norm(hidden[0, anchors]).float()
+    label = (item["target_last_hidden"][anchors + 1].float() @ head.T).argmax(-1)
+    best_logit, best = logits.max(-1)
+    t2d = torch.full((head.shape[0],), -1, dtype=torch.long)
+    t2d[d2t] = torch.arange(len(d2t))
+    draft_index = t2d[label]
+    label_logit = torch.where(draft_index >= 0, logits.gather(1, draft_index.clamp(min=0)[:, None])[:, 0], torch.nan)
+    oov = ~in_vocab[ids]
+    ctx_ids = torch.unique(ids[oov])
+    first = torch.stack([torch.nonzero(ids == t)[0, 0] for t in ctx_ids]) if len(ctx_ids) else torch.zeros(0).long()
+    return Record(hidden.half(), label, best_logit, d2t[best], torch.logsumexp(logits, -1), label_logit, ctx_ids,
+                  first, anchors)  # fmt: skip
+
+
+def context_logits(record: Record, head, proj, bias):
+    """``(positions, context tokens)`` logits of the context tokens outside the vocabulary, ``-inf`` where a token
+    has not appeared yet (anchor ``a`` sees the tokens up to ``a + 1``)."""
+    rows = head[record.ctx_ids] @ proj  # each token's row in the drafter's output space
+    scores = record.hidden.float() @ rows.T + bias
+    seen = record.ctx_first[None, :] <= (record.anchors[:, None] + 1)
+    return scores.masked_fill(~seen, float("-inf"))
+
+
+def read_records(drafter, path, head, in_vocab, d2t, limit=None) -> list[Record]:
+    from hf_specdec.training.offline import OfflineFeatureDataset
+
+    dataset = OfflineFeatureDataset(path)
+    dataset.check_compatible(drafter.config)
+    n = len(dataset) if limit is None else min(limit, len(dataset))
+    out = [first_step_record(drafter, dataset[i], head, in_vocab, d2t) for i in range(n)]
+    return [r for r in out if r is not None]
+
+
+def train_projection(records, head, proj, bias, epochs: int, lr: float):
+    """``M`` and the bias trained by cross-entropy over the candidates on the target's greedy token (the fixed
+    vocabulary's logits enter as their log-sum-exp and the label's logit: they do not change)."""
+    proj, bias = proj.clone().requires_grad_(True), bias.clone().requires_grad_(True)
+    opt = torch.optim.Adam([proj, bias], lr=lr)
+    for epoch in range(epochs):
+        total, count = 0.0, 0
+        for i in torch.randperm(len(records), generator=torch.Generator().manual_seed(epoch)).tolist():
+            r = records[i]
+            if len(r.ctx_ids) == 0:
+                continue
+            ctx = context_logits(r, head, proj, bias)
+            log_z = torch.logaddexp(r.lse, torch.logsumexp(ctx, -1))
+            match = r.ctx_ids[None, :] == r.label[:, None]
+            label_ctx = torch.where(match, ctx, torch.full_like(ctx, float("-inf"))).max(-1).values
+            label_logit = torch.where(torch.isnan(r.label_logit), label_ctx, r.label_logit)
+            ok = torch.isfinite(label_logit)
+            if not ok.any():
+                continue
+            loss = (log_z - label_logit)[ok].mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total, count = total + loss.item(), count + 1
+        print(f"epoch {epoch}: mean loss {total / max(count, 1):.4f}", flush=True)
+    return proj.detach(), bias.detach()
+
+
+@torch.no_grad()
+def accuracy(records, head, proj, bias) -> dict:
+    """acc_0 with the fixed vocabulary, with the context vocabulary, and the ceiling, over all scored positions."""
+    n = fixed = extended = ceiling = copies = 0
+    for r in records:
+        n += len(r.label)
+        fixed += int((r.best_id == r.label).sum())
+        in_context = torch.zeros_like(r.label, dtype=torch.bool)
+        pick = r.best_id
+        if len(r.ctx_ids):
+            ctx = context_logits(r, head, proj, bias)
+            ctx_best, ctx_arg = ctx.max(-1)
+            pick = torch.where(ctx_best > r.best_logit, r.ctx_ids[ctx_arg], r.best_id)
+            seen = r.ctx_first[None, :] <= (r.anchors[:, None] + 1)
+            in_context = ((r.ctx_ids[None, :] == r.label[:, None]) & seen).any(-1)
+        extended += int((pick == r.label).sum())
+        ceiling += int((~torch.isnan(r.label_logit) | in_context).sum())
+        copies += int(in_context.sum())
+    return {"positions": n, "acc_0_fixed": round(fixed / n, 4), "acc_0_context": round(extended / n, 4),
+            "context_copies": round(copies / n, 4), "ceiling": round(ceiling / n, 4)}  # fmt: skip
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from hf_specdec import AutoModelForDrafting
+    from hf_specdec.gguf_target import load_smollm2
+
+    target, _ = load_smollm2(dtype="float32")
+    drafter = AutoModelForDrafting.from_pretrained(args.drafter)
+    drafter.bind_target(target)
+    drafter.eval()
+    head = target.get_output_embeddings().weight.detach().float()
+    d2t = torch.arange(drafter.config.draft_vocab_size) + drafter.d2t
+    in_vocab = torch.zeros(head.shape[0], dtype=torch.bool)
+    in_vocab[d2t] = True
+    own = drafter.lm_head.weight.detach().float()
+    mapped = torch.linalg.lstsq(head[d2t], own).solution  # target rows -> the drafter's rows
+    fit = torch.nn.functional.cosine_similarity(head[d2t] @ mapped, own, dim=1).mean().item()
+    print(f"closed-form map: mean cosine {fit:.3f} between mapped target rows and the drafter's own")
+
+    sets = {"held-out chat": args.held_out_features}
+    for path in sorted(glob.glob(os.path.join(args.spec_bench_features, "features-*"))):
+        sets["Spec-Bench " + os.path.basename(path).removeprefix("features-")] = path
+    scored = {name: read_records(drafter, path, head, in_vocab, d2t) for name, path in sets.items()}
+    train = read_records(drafter, args.train_features, head, in_vocab, d2t, args.train_records)
+    zero = torch.zeros(())
+    proj, bias = train_projection(train, head, mapped, zero, args.epochs, args.lr)
+    rows = []
+    for name, records in scored.items():
+        closed, learned = accuracy(records, head, mapped, zero), accuracy(records, head, proj, bias)
+        rows.append({"set": name, **learned, "acc_0_mapped": closed["acc_0_context"]})
+        print(rows[-1], flush=True)
+    result = {
+        "drafter": args.drafter,
+        "map_fit_cosine": round(fit, 4),
+        "copy_bias": round(float(bias), 4),
+        "train_records": len(train),
+        "settings": {k: getattr(args, k) for k in ("epochs", "lr", "train_features")},
+        "command": "python scripts/smollm2_context_vocab.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "rows": rows,
+    }
+    write_results(args.results, result, markdown(result))
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "# SmolLM2 EAGLE-3: what a draft vocabulary covering the context could give (a diagnostic)",
+        "",
+        f"Command: `{result['command']}`. Drafter: `{result['drafter']}`, unchanged. Teacher-forced first draft step: "
+        "acc_0 is the share of answer positions where it drafts the target's greedy token. *Context*: the candidates "
+        "are the draft vocabulary plus every earlier token of the sequence outside it, scored by the target's "
+        "LM-head rows mapped into the drafter's output space by one matrix: fitted in closed form (*mapped*, mean "
+        f"cosine {result['map_fit_cosine']} to the drafter's own rows) or trained on "
+        f"{result['train_records']} records of the distillation data's training split (*trained*, copy bias "
+        f"{result['copy_bias']}). *Copies*: positions whose target token is such a context token; *ceiling*: "
+        "positions whose target token is a candidate at all.",
+        "",
+        "| set | positions | acc_0 fixed | acc_0 context, mapped | acc_0 context, trained | copies | ceiling |",
+        "|:---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['set']} | {r['positions']} | {r['acc_0_fixed']} | {r['acc_0_mapped']} | {r['acc_0_context']} | "
+            f"{r['context_copies']:.1%} | {r['ceiling']:.1%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
