@@ -15,12 +15,17 @@ are scored by the target's own LM-head rows mapped into the drafter's output spa
   drafter's first-step outputs over ``--train-records`` records of ``--train-features``;
 * ``ceiling``: the share of positions whose target token is a candidate at all (in the vocabulary or the context).
 
+``--joint`` trains the drafter's first step instead, together with the map and the bias (one pass, cross-entropy
+on the target's greedy token), next to a control trained the same way over the fixed vocabulary alone: what the
+context vocabulary adds once the drafter can learn to point at it (results ``--results`` of its own).
+
 Reads feature dumps only (``train_smollm2_grown.py``'s of the distillation data, ``smollm2_specbench_score.py``'s
 of Spec-Bench); writes ``--results`` ``.json`` and ``.md``.
 
 Usage::
 
     python scripts/smollm2_context_vocab.py
+    python scripts/smollm2_context_vocab.py --joint --results runs/context-vocab/joint
 """
 
 from __future__ import annotations
@@ -47,6 +52,12 @@ def parse_args(argv):
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--joint",
+        action="store_true",
+        help="train the drafter's first step with the context vocabulary (and a control without it) instead of "
+        "the map alone on the frozen drafter",
+    )
     p.add_argument("--results", default="model_cards/results/smollm2-context-vocab")
     return p.parse_args(argv)
 
@@ -79,11 +90,16 @@ def first_step_record(drafter, item, head, in_vocab, d2t) -> Record | None:
     t2d[d2t] = torch.arange(len(d2t))
     draft_index = t2d[label]
     label_logit = torch.where(draft_index >= 0, logits.gather(1, draft_index.clamp(min=0)[:, None])[:, 0], torch.nan)
-    oov = ~in_vocab[ids]
-    ctx_ids = torch.unique(ids[oov])
-    first = torch.stack([torch.nonzero(ids == t)[0, 0] for t in ctx_ids]) if len(ctx_ids) else torch.zeros(0).long()
+    ctx_ids, first = context_tokens(ids, in_vocab)
     return Record(hidden.half(), label, best_logit, d2t[best], torch.logsumexp(logits, -1), label_logit, ctx_ids,
                   first, anchors)  # fmt: skip
+
+
+def context_tokens(ids, in_vocab):
+    """``(token ids, first positions)`` of the sequence's tokens outside the draft vocabulary."""
+    ctx_ids = torch.unique(ids[~in_vocab[ids]])
+    first = torch.stack([torch.nonzero(ids == t)[0, 0] for t in ctx_ids]) if len(ctx_ids) else torch.zeros(0).long()
+    return ctx_ids, first
 
 
 def context_logits(record: Record, head, proj, bias):
@@ -93,6 +109,56 @@ def context_logits(record: Record, head, proj, bias):
     scores = record.hidden.float() @ rows.T + bias
     seen = record.ctx_first[None, :] <= (record.anchors[:, None] + 1)
     return scores.masked_fill(~seen, float("-inf"))
+
+
+def first_step_loss(drafter, item, head, in_vocab, t2d, proj, bias, context: bool):
+    """Cross-entropy of the drafter's first draft step on the target's greedy token, over the fixed vocabulary or
+    (``context``) over it and the context tokens outside it; ``None`` where no position is scored."""
+    ids = item["input_ids"].long()
+    anchors = torch.nonzero(item["loss_mask"].bool()[2:]).flatten()
+    if len(anchors) == 0:
+        return None
+    feats = [x[None].float() for x in item["target_hidden_states"]]
+    ((logits, hidden),) = drafter.ttt_forward(ids[None], feats, None, steps=1)
+    logits = logits[0, anchors].float()
+    with torch.no_grad():
+        label = (item["target_last_hidden"][anchors + 1].float() @ head.T).argmax(-1)
+    index = t2d[label]
+    if context:
+        ctx_ids, first = context_tokens(ids, in_vocab)
+        view = Record(drafter.norm(hidden[0, anchors]).float(), label, None, None, None, None, ctx_ids, first, anchors)
+        ctx = context_logits(view, head, proj, bias)
+        match = (ctx_ids[None, :] == label[:, None]) & torch.isfinite(ctx)
+        copy = torch.where(match.any(-1), logits.shape[-1] + match.float().argmax(-1), -1)
+        index, logits = torch.where(index >= 0, index, copy), torch.cat([logits, ctx], -1)
+    ok = index >= 0
+    return torch.nn.functional.cross_entropy(logits[ok], index[ok]) if ok.any() else None
+
+
+def fine_tune_first_step(drafter, path, n, head, in_vocab, d2t, proj, bias, context: bool, lr: float):
+    """The drafter (and, with ``context``, the map and the bias) trained for one pass over ``n`` records on its
+    first draft step. Without ``context`` it is the control: what the extra training alone gives."""
+    from hf_specdec.training.offline import OfflineFeatureDataset
+
+    dataset = OfflineFeatureDataset(path)
+    dataset.check_compatible(drafter.config)
+    t2d = torch.full((head.shape[0],), -1, dtype=torch.long)
+    t2d[d2t] = torch.arange(len(d2t))
+    proj, bias = proj.clone().requires_grad_(context), bias.clone().requires_grad_(context)
+    params = [p for p in drafter.parameters() if p.requires_grad] + ([proj, bias] if context else [])
+    opt = torch.optim.Adam(params, lr=lr)
+    drafter.train()
+    for i in range(min(n, len(dataset))):
+        loss = first_step_loss(drafter, dataset[i], head, in_vocab, t2d, proj, bias, context)
+        if loss is None:
+            continue
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if i % 200 == 0:
+            print(f"{'context' if context else 'control'} record {i}: loss {loss.item():.4f}", flush=True)
+    drafter.eval()
+    return proj.detach(), bias.detach()
 
 
 def read_records(drafter, path, head, in_vocab, d2t, limit=None) -> list[Record]:
@@ -155,16 +221,20 @@ def accuracy(records, head, proj, bias) -> dict:
             "context_copies": round(copies / n, 4), "ceiling": round(ceiling / n, 4)}  # fmt: skip
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+def load(args):
+    """``(target head, drafter loader, draft-to-target ids, in-vocabulary mask, closed-form map, its fit)``."""
     from hf_specdec import AutoModelForDrafting
     from hf_specdec.gguf_target import load_smollm2
 
     target, _ = load_smollm2(dtype="float32")
-    drafter = AutoModelForDrafting.from_pretrained(args.drafter)
-    drafter.bind_target(target)
-    drafter.eval()
+    target.requires_grad_(False)
+
+    def fresh_drafter():
+        drafter = AutoModelForDrafting.from_pretrained(args.drafter)
+        drafter.bind_target(target)
+        return drafter.eval()
+
+    drafter = fresh_drafter()
     head = target.get_output_embeddings().weight.detach().float()
     d2t = torch.arange(drafter.config.draft_vocab_size) + drafter.d2t
     in_vocab = torch.zeros(head.shape[0], dtype=torch.bool)
@@ -173,11 +243,19 @@ def main(argv=None):
     mapped = torch.linalg.lstsq(head[d2t], own).solution  # target rows -> the drafter's rows
     fit = torch.nn.functional.cosine_similarity(head[d2t] @ mapped, own, dim=1).mean().item()
     print(f"closed-form map: mean cosine {fit:.3f} between mapped target rows and the drafter's own")
+    return head, fresh_drafter, d2t, in_vocab, mapped, fit
 
+
+def scored_sets(args) -> dict[str, str]:
     sets = {"held-out chat": args.held_out_features}
     for path in sorted(glob.glob(os.path.join(args.spec_bench_features, "features-*"))):
         sets["Spec-Bench " + os.path.basename(path).removeprefix("features-")] = path
-    scored = {name: read_records(drafter, path, head, in_vocab, d2t) for name, path in sets.items()}
+    return sets
+
+
+def frozen_rows(args, head, drafter, d2t, in_vocab, mapped) -> tuple[list[dict], dict]:
+    """The frozen drafter with the closed-form map and with the trained one, per scored set."""
+    scored = {name: read_records(drafter, path, head, in_vocab, d2t) for name, path in scored_sets(args).items()}
     train = read_records(drafter, args.train_features, head, in_vocab, d2t, args.train_records)
     zero = torch.zeros(())
     proj, bias = train_projection(train, head, mapped, zero, args.epochs, args.lr)
@@ -186,16 +264,49 @@ def main(argv=None):
         closed, learned = accuracy(records, head, mapped, zero), accuracy(records, head, proj, bias)
         rows.append({"set": name, **learned, "acc_0_mapped": closed["acc_0_context"]})
         print(rows[-1], flush=True)
+    return rows, {"copy_bias": round(float(bias), 4), "train_records": len(train)}
+
+
+def joint_rows(args, head, fresh_drafter, d2t, in_vocab, mapped) -> tuple[list[dict], dict]:
+    """The drafter's first step trained on ``--train-records`` records without (control) and with the context
+    vocabulary (the drafter, the map and the bias together), each scored per set; the shipped drafter beside them."""
+    sets, zero = scored_sets(args), torch.zeros(())
+    shipped = fresh_drafter()
+    rows = {name: {"set": name, "acc_0_shipped": accuracy(read_records(shipped, path, head, in_vocab, d2t), head,
+                                                           mapped, zero)["acc_0_fixed"]}
+            for name, path in sets.items()}  # fmt: skip
+    for arm, context in (("control", False), ("context", True)):
+        drafter = fresh_drafter()
+        proj, bias = fine_tune_first_step(drafter, args.train_features, args.train_records, head, in_vocab, d2t,
+                                          mapped, zero, context, args.lr)  # fmt: skip
+        for name, path in sets.items():
+            acc = accuracy(read_records(drafter, path, head, in_vocab, d2t), head, proj, bias)
+            rows[name].update({f"acc_0_{arm}_fixed": acc["acc_0_fixed"], "positions": acc["positions"],
+                               "context_copies": acc["context_copies"]})  # fmt: skip
+            if context:
+                rows[name]["acc_0_context"] = acc["acc_0_context"]
+            print(name, rows[name], flush=True)
+    return list(rows.values()), {"train_records": args.train_records}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    head, fresh_drafter, d2t, in_vocab, mapped, fit = load(args)
+    if args.joint:
+        rows, extra = joint_rows(args, head, fresh_drafter, d2t, in_vocab, mapped)
+    else:
+        rows, extra = frozen_rows(args, head, fresh_drafter(), d2t, in_vocab, mapped)
     result = {
         "drafter": args.drafter,
+        "mode": "joint" if args.joint else "frozen",
         "map_fit_cosine": round(fit, 4),
-        "copy_bias": round(float(bias), 4),
-        "train_records": len(train),
+        **extra,
         "settings": {k: getattr(args, k) for k in ("epochs", "lr", "train_features")},
         "command": "python scripts/smollm2_context_vocab.py " + shlex.join(sys.argv[1:] if argv is None else argv),
         "rows": rows,
     }
-    write_results(args.results, result, markdown(result))
+    write_results(args.results, result, (joint_markdown if args.joint else markdown)(result))
 
 
 def markdown(result: dict) -> str:
@@ -218,6 +329,29 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {r['set']} | {r['positions']} | {r['acc_0_fixed']} | {r['acc_0_mapped']} | {r['acc_0_context']} | "
             f"{r['context_copies']:.1%} | {r['ceiling']:.1%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def joint_markdown(result: dict) -> str:
+    lines = [
+        "# SmolLM2 EAGLE-3: a context vocabulary trained with the drafter's first step (a diagnostic)",
+        "",
+        f"Command: `{result['command']}`. From `{result['drafter']}`, the first draft step trained for one pass over "
+        f"{result['train_records']} records of the distillation data's training split at lr {result['settings']['lr']} "
+        "(cross-entropy on the target's greedy token): *control* over the fixed draft vocabulary, *context* over it "
+        "and every earlier token of the sequence outside it (scored by the target's LM-head rows through one "
+        "trained matrix and bias, trained together with the drafter). Teacher-forced acc_0 over every answer "
+        "position; *copies*: positions whose target token is such a context token. Later draft steps are not "
+        "trained or scored here.",
+        "",
+        "| set | positions | shipped | control | context arm, fixed vocabulary | context arm, with context | copies |",
+        "|:---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['set']} | {r['positions']} | {r['acc_0_shipped']} | {r['acc_0_control_fixed']} | "
+            f"{r['acc_0_context_fixed']} | {r['acc_0_context']} | {r['context_copies']:.1%} |"
         )
     return "\n".join(lines) + "\n"
 
