@@ -73,18 +73,28 @@ class Record:
         self.ctx_ids, self.ctx_first, self.anchors = ctx_ids, ctx_first, anchors
 
 
-@torch.no_grad()
-def first_step_record(drafter, item, head, in_vocab, d2t) -> Record | None:
-    """The :class:`Record` of one dumped example: step 0 at anchor ``a`` drafts the token at ``a + 2``, whose greedy
-    choice is the target's argmax at ``a + 1``."""
+def first_step(drafter, item, head):
+    """``(ids, anchors, draft logits, normed outputs, target token)`` of the drafter's first step over one dumped
+    example, at the anchors it is scored at (``None`` if none): step 0 at anchor ``a`` drafts the token at ``a + 2``,
+    whose greedy choice is the target's argmax at ``a + 1``."""
     ids = item["input_ids"].long()
     anchors = torch.nonzero(item["loss_mask"].bool()[2:]).flatten()
     if len(anchors) == 0:
         return None
     feats = [x[None].float() for x in item["target_hidden_states"]]
     ((logits, hidden),) = drafter.ttt_forward(ids[None], feats, None, steps=1)
-    logits, hidden = logits[0, anchors].float(), drafter.norm(hidden[0, anchors]).float()
-    label = (item["target_last_hidden"][anchors + 1].float() @ head.T).argmax(-1)
+    with torch.no_grad():
+        label = (item["target_last_hidden"][anchors + 1].float() @ head.T).argmax(-1)
+    return ids, anchors, logits[0, anchors].float(), drafter.norm(hidden[0, anchors]).float(), label
+
+
+@torch.no_grad()
+def first_step_record(drafter, item, head, in_vocab, d2t) -> Record | None:
+    """The :class:`Record` of one dumped example."""
+    step = first_step(drafter, item, head)
+    if step is None:
+        return None
+    ids, anchors, logits, hidden, label = step
     best_logit, best = logits.max(-1)
     t2d = torch.full((head.shape[0],), -1, dtype=torch.long)
     t2d[d2t] = torch.arange(len(d2t))
@@ -114,19 +124,14 @@ def context_logits(record: Record, head, proj, bias):
 def first_step_loss(drafter, item, head, in_vocab, t2d, proj, bias, context: bool):
     """Cross-entropy of the drafter's first draft step on the target's greedy token, over the fixed vocabulary or
     (``context``) over it and the context tokens outside it; ``None`` where no position is scored."""
-    ids = item["input_ids"].long()
-    anchors = torch.nonzero(item["loss_mask"].bool()[2:]).flatten()
-    if len(anchors) == 0:
+    step = first_step(drafter, item, head)
+    if step is None:
         return None
-    feats = [x[None].float() for x in item["target_hidden_states"]]
-    ((logits, hidden),) = drafter.ttt_forward(ids[None], feats, None, steps=1)
-    logits = logits[0, anchors].float()
-    with torch.no_grad():
-        label = (item["target_last_hidden"][anchors + 1].float() @ head.T).argmax(-1)
+    ids, anchors, logits, hidden, label = step
     index = t2d[label]
     if context:
         ctx_ids, first = context_tokens(ids, in_vocab)
-        view = Record(drafter.norm(hidden[0, anchors]).float(), label, None, None, None, None, ctx_ids, first, anchors)
+        view = Record(hidden, label, None, None, None, None, ctx_ids, first, anchors)
         ctx = context_logits(view, head, proj, bias)
         match = (ctx_ids[None, :] == label[:, None]) & torch.isfinite(ctx)
         copy = torch.where(match.any(-1), logits.shape[-1] + match.float().argmax(-1), -1)
@@ -309,10 +314,19 @@ def main(argv=None):
     write_results(args.results, result, (joint_markdown if args.joint else markdown)(result))
 
 
+def table(title: str, intro: str, columns: list[str], cells: list[list]) -> str:
+    """A results page: title, one paragraph, one table (first column left-aligned, the rest right-aligned)."""
+    lines = [f"# {title}", "", intro, "", "| " + " | ".join(columns) + " |", "|:---|" + "---:|" * (len(columns) - 1)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in cells]
+    return "\n".join(lines) + "\n"
+
+
+def row_cells(rows: list[dict], keys: tuple, percents: tuple) -> list[list]:
+    return [[r[k] for k in keys] + [f"{r[k]:.1%}" for k in percents] for r in rows]
+
+
 def markdown(result: dict) -> str:
-    lines = [
-        "# SmolLM2 EAGLE-3: what a draft vocabulary covering the context could give (a diagnostic)",
-        "",
+    intro = (
         f"Command: `{result['command']}`. Drafter: `{result['drafter']}`, unchanged. Teacher-forced first draft step: "
         "acc_0 is the share of answer positions where it drafts the target's greedy token. *Context*: the candidates "
         "are the draft vocabulary plus every earlier token of the sequence outside it, scored by the target's "
@@ -320,40 +334,32 @@ def markdown(result: dict) -> str:
         f"cosine {result['map_fit_cosine']} to the drafter's own rows) or trained on "
         f"{result['train_records']} records of the distillation data's training split (*trained*, copy bias "
         f"{result['copy_bias']}). *Copies*: positions whose target token is such a context token; *ceiling*: "
-        "positions whose target token is a candidate at all.",
-        "",
-        "| set | positions | acc_0 fixed | acc_0 context, mapped | acc_0 context, trained | copies | ceiling |",
-        "|:---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['set']} | {r['positions']} | {r['acc_0_fixed']} | {r['acc_0_mapped']} | {r['acc_0_context']} | "
-            f"{r['context_copies']:.1%} | {r['ceiling']:.1%} |"
-        )
-    return "\n".join(lines) + "\n"
+        "positions whose target token is a candidate at all."
+    )
+    columns = ["set", "positions", "acc_0 fixed", "acc_0 context, mapped", "acc_0 context, trained", "copies",
+               "ceiling"]  # fmt: skip
+    cells = row_cells(result["rows"], ("set", "positions", "acc_0_fixed", "acc_0_mapped", "acc_0_context"),
+                      ("context_copies", "ceiling"))  # fmt: skip
+    title = "SmolLM2 EAGLE-3: what a draft vocabulary covering the context could give (a diagnostic)"
+    return table(title, intro, columns, cells)
 
 
 def joint_markdown(result: dict) -> str:
-    lines = [
-        "# SmolLM2 EAGLE-3: a context vocabulary trained with the drafter's first step (a diagnostic)",
-        "",
+    intro = (
         f"Command: `{result['command']}`. From `{result['drafter']}`, the first draft step trained for one pass over "
         f"{result['train_records']} records of the distillation data's training split at lr {result['settings']['lr']} "
         "(cross-entropy on the target's greedy token): *control* over the fixed draft vocabulary, *context* over it "
         "and every earlier token of the sequence outside it (scored by the target's LM-head rows through one "
         "trained matrix and bias, trained together with the drafter). Teacher-forced acc_0 over every answer "
         "position; *copies*: positions whose target token is such a context token. Later draft steps are not "
-        "trained or scored here.",
-        "",
-        "| set | positions | shipped | control | context arm, fixed vocabulary | context arm, with context | copies |",
-        "|:---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['set']} | {r['positions']} | {r['acc_0_shipped']} | {r['acc_0_control_fixed']} | "
-            f"{r['acc_0_context_fixed']} | {r['acc_0_context']} | {r['context_copies']:.1%} |"
-        )
-    return "\n".join(lines) + "\n"
+        "trained or scored here."
+    )
+    columns = ["set", "positions", "shipped", "control", "context arm, fixed vocabulary", "context arm, with context",
+               "copies"]  # fmt: skip
+    keys = ("set", "positions", "acc_0_shipped", "acc_0_control_fixed", "acc_0_context_fixed", "acc_0_context")
+    cells = row_cells(result["rows"], keys, ("context_copies",))
+    title = "SmolLM2 EAGLE-3: a context vocabulary trained with the drafter's first step (a diagnostic)"
+    return table(title, intro, columns, cells)
 
 
 if __name__ == "__main__":
