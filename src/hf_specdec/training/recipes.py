@@ -232,17 +232,15 @@ def _online_data(data, eval_data, tokenizer, max_length, eval_fraction, seed):
 
 
 def _offline_data(model, target, tokenizer, features_dir, eval_features_dir, eval_fraction, seed):
-    """``(train, held_out, collate, info)`` from dumped features, checked against the drafter and the target (the
-    trainer checks them again, without the tokenizer, however it is given them)."""
+    """``(train, held_out, collate, info)`` from dumped features, checked against the target (the trainer serves
+    each dump the drafter's layers)."""
     from .data import split_train_eval
     from .offline import OfflineFeatureDataset, collate_offline
 
     dataset = OfflineFeatureDataset(features_dir)
-    dataset.check_compatible(model.config)
     dataset.check_target(target, tokenizer)
     if eval_features_dir:
         train, held_out = dataset, OfflineFeatureDataset(eval_features_dir)
-        held_out.check_compatible(model.config)
         held_out.check_target(target, tokenizer)
     else:
         train, held_out = _split_indices(dataset, eval_fraction, seed, split_train_eval)

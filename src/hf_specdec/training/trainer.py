@@ -279,16 +279,16 @@ def _is_offline(dataset) -> bool:
     return dataset is not None and len(dataset) > 0 and "target_hidden_states" in dataset[0]
 
 
-def _check_offline_features(dataset, drafter_config, target) -> None:
-    """Dumped target features (an ``OfflineFeatureDataset``, or an index subset of one) must come from ``target`` and
-    serve the drafter's ``target_layer_ids`` in its order: checked here, so that a dump handed to the trainer directly
-    is never read with the layers it happens to store (a drafter of other layers would train or score on the wrong
-    states without an error)."""
+def _serve_drafter_layers(dataset, drafter_config) -> None:
+    """Dumped target features (an ``OfflineFeatureDataset``, or an index subset of one) serve the drafter's
+    ``target_layer_ids`` in its order, checked here however the dump reaches the trainer: a dump handed over directly
+    is otherwise read with the layers it happens to store, and a drafter of other layers trains or scores on the wrong
+    states without an error. (Which target the dump came from is checked where it is opened, with the tokenizer:
+    ``train_drafter``.)"""
     while hasattr(dataset, "dataset") and not hasattr(dataset, "check_compatible"):
         dataset = dataset.dataset  # torch.utils.data.Subset
     if hasattr(dataset, "check_compatible"):
         dataset.check_compatible(drafter_config)
-        dataset.check_target(target)
 
 
 class DrafterTrainer(Trainer):
@@ -374,7 +374,7 @@ class DrafterTrainer(Trainer):
         from .data import check_has_loss_tokens, check_token_ids
 
         for dataset in (train_dataset, eval_dataset):
-            _check_offline_features(dataset, DrafterTrainer._base_drafter(drafter).config, target)
+            _serve_drafter_layers(dataset, DrafterTrainer._base_drafter(drafter).config)
         check_has_loss_tokens(train_dataset)
         vocab = _target_vocab_size(target, drafter)
         lengths = check_token_ids(train_dataset, vocab, "training")
