@@ -16,7 +16,12 @@ a baseline trained in the same run on the same examples for the same steps:
 * ``features-*``: which target states the drafter fuses (``target_layer_ids``; the shipped drafter reads 2, 15, 27:
   the inputs of decoder layers 2, L/2 and L-3). ``30`` is the target's final state, the normed hidden state its
   LM head reads; every dump serves it (``OfflineFeatureDataset`` keeps the last hidden state), so these variants
-  train on the same dump as the others.
+  train on the same dump as the others;
+* ``hydra``, ``hydra-prefix`` and ``mtp``: another drafter family on the same dump and budget (``FAMILIES``): Hydra's
+  sequentially dependent heads on the final state (five heads, so five draft steps; ``hydra-prefix`` with Hydra++'s
+  prefix attention layer) and MTP's two chained modules (as ``train_smollm2_families.sh`` trains them). On 500K
+  answer tokens both scored above EAGLE-3 held out (``smollm2-families-distill.md``); these rows ask whether that
+  holds on the recipe the shipped drafter is trained with.
 
 Data: the training records of ``--from-shard`` .. ``--shards``-1 of ``data/smollm2-distill`` (the first
 ``--max-records`` of them) and the held-out records of every shard up to ``--shards`` (the scaling curve's hash rule),
@@ -42,7 +47,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from train_smollm2_grown import dump_new_shards  # noqa: E402
-from train_smollm2_long import score  # noqa: E402
+from train_smollm2_long import SCORED_STEPS, score  # noqa: E402
 
 # name -> (drafter config overrides, training-argument overrides)
 VARIANTS = {
@@ -60,7 +65,12 @@ VARIANTS = {
     "features-15-27-30": ({"target_layer_ids": [15, 27, 30]}, {}),
     "features-30": ({"target_layer_ids": [30]}, {}),
     "features-2-15-27-30": ({"target_layer_ids": [2, 15, 27, 30]}, {}),
+    "hydra": ({"num_heads": SCORED_STEPS}, {}),
+    "hydra-prefix": ({"num_heads": SCORED_STEPS, "prefix_layer": True}, {}),
+    "mtp": ({"num_mtp_modules": 2, "ttt_steps": 4}, {}),
 }
+# variants that train another drafter family than the shipped one (name -> family), on the same dump and budget
+FAMILIES = {"hydra": "hydra", "hydra-prefix": "hydra", "mtp": "mtp"}
 DEFAULT_VARIANTS = list(VARIANTS)[:8]  # the committed levers run (smollm2-eagle3-levers.md); the rest by --variants
 
 
@@ -108,12 +118,12 @@ def train_variant(name, target, tokenizer, args, dirs) -> dict:
         settings.update(training_overrides)
         resume = os.path.isdir(out) and any(n.startswith("checkpoint-") for n in os.listdir(out))
         drafter, record = train_drafter(
-            target, tokenizer, None, DrafterTrainingArguments(**settings), drafter=default_drafter_spec().name,
-            drafter_overrides={"num_draft_tokens": 5, "draft_vocab_size": 4096, **config_overrides},
+            target, tokenizer, None, DrafterTrainingArguments(**settings),
+            drafter=FAMILIES.get(name, default_drafter_spec().name),
+            drafter_overrides={"num_draft_tokens": SCORED_STEPS, "draft_vocab_size": 4096, **config_overrides},
             features_dir=dirs["train"], eval_features_dir=dirs["eval"], max_train_examples=args.max_records,
             resume=resume,
         )  # fmt: skip
-    drafter.config.ttt_steps = None  # scored like every other variant: num_draft_tokens steps
     held_out = score(drafter, target, dirs["eval"], args)
     print(f"{name}: held-out acc_0 {held_out.get('acc_0')}, simulated tau {held_out.get('simulated_tau')}")
     return {
@@ -130,7 +140,7 @@ def train_variant(name, target, tokenizer, args, dirs) -> dict:
 def write_results(args, argv, rows, n_train, n_eval, answer_tokens) -> None:
     result = {
         "target": "SmolLM2-135M-Instruct",
-        "drafter": "EAGLE-3, trained from scratch per variant",
+        "drafter": "EAGLE-3 (or the family FAMILIES names), trained from scratch per variant",
         "data": args.data,
         "shards": {"read": args.shards, "trained_from": args.from_shard},
         "training_records": n_train,
@@ -162,7 +172,7 @@ def markdown(result: dict) -> str:
     """The variants' held-out scores as a table, each against the baseline of the same run."""
     base = next((r["held_out"] for r in result["rows"] if r["variant"] == "baseline"), {})
     lines = [
-        "# SmolLM2 EAGLE-3: which lever moves the drafter, on one budget",
+        "# SmolLM2 drafters: which lever moves the drafter, on one budget",
         "",
         f"Command: `{result['command']}`. Every variant is trained from scratch for one epoch on the same "
         f"{result['training_records']} records ({result['training_answer_tokens']:,} answer tokens) and scored on "

@@ -38,9 +38,23 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from train_smollm2_scaling import add_shards_argument, dump, prefix_for_tokens, read_records, split_records  # noqa: E402
 
+SCORED_STEPS = 5  # every drafter is scored with five draft steps unrolled (acc_0..4), whatever it was trained with
+
 
 def score(drafter, target, features_dir, args) -> dict:
-    """Held-out loss, acc_0..4 and simulated tau of ``drafter`` on one feature dump."""
+    """Held-out loss, acc_0..4 and simulated tau of ``drafter`` on one feature dump, with ``SCORED_STEPS`` draft steps
+    unrolled (a family with ``ttt_steps``, EAGLE-3 or MTP, for the scoring only; Hydra unrolls one per head)."""
+    unrolled = getattr(drafter.config, "ttt_steps", None)
+    if hasattr(drafter.config, "ttt_steps"):
+        drafter.config.ttt_steps = SCORED_STEPS
+    try:
+        return score_unrolled(drafter, target, features_dir, args)
+    finally:
+        if hasattr(drafter.config, "ttt_steps"):
+            drafter.config.ttt_steps = unrolled
+
+
+def score_unrolled(drafter, target, features_dir, args) -> dict:
     from hf_specdec.training.offline import OfflineFeatureDataset, collate_offline
     from hf_specdec.training.trainer import DrafterTrainer, DrafterTrainingArguments
 

@@ -15,6 +15,10 @@
    resumes from its last checkpoint, finished sizes are skipped);
 4. results: ``model_cards/results/smollm2-eagle3-scaling.{json,png}``.
 
+``--drafter FAMILY`` (with ``--config KEY=VALUE`` overrides) trains another family on the same dumps and split, in
+``OUT/FAMILY-size-N``: ``--drafter hydra --config num_heads=5 --results model_cards/results/smollm2-hydra-scaling``
+wrote the Hydra curve.
+
 Usage (the committed curve)::
 
     python scripts/train_smollm2_scaling.py --sizes 150000 500000 1500000
@@ -152,12 +156,19 @@ def main(argv=None):
         help="write the training records and the held-out records as DIR/{train,held-out}.jsonl and stop (online "
         "training on the same split: the family script's Medusa-2)",
     )
+    p.add_argument(
+        "--drafter",
+        help="train this drafter family (default: the shipped one, EAGLE-3) on the same dumps; its runs go to "
+        "OUT/<family>-size-N and its results to --results",
+    )
+    p.add_argument("--config", nargs="+", metavar="KEY=VALUE", help="drafter config overrides (as hf-specdec train's)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.write_split:
         return write_split(args.data, args.shards, args.eval_every, args.write_split)
 
+    from hf_specdec.commands.common import drafter_overrides
     from hf_specdec.gguf_target import load_smollm2
     from hf_specdec.registry import default_drafter_spec
     from hf_specdec.training.recipes import train_drafter
@@ -168,19 +179,20 @@ def main(argv=None):
     train_records, eval_records = training_and_held_out(args.data, args.shards, args.eval_every, args.from_shard)
     sizes = sorted(args.sizes)
     largest = prefix_for_tokens(train_records, sizes[-1])
-    spec = default_drafter_spec()  # EAGLE-3
-    overrides = {"num_draft_tokens": args.k, "draft_vocab_size": args.draft_vocab_size}
-    config = spec.config_class.for_target(target.config, **overrides)
+    spec = default_drafter_spec()  # EAGLE-3: the dumps hold its layers (and the final state every family reads)
+    config = spec.config_class.for_target(target.config, num_draft_tokens=args.k)
     eval_info = dump(target, tokenizer, eval_records, config, os.path.join(args.out, "features-eval"), args.max_length)
     dump(target, tokenizer, train_records[:largest], config, os.path.join(args.out, "features-train"), args.max_length)
     print(f"held out: {len(eval_records)} records ({eval_info['tokens']} tokens); training pool: {largest} records")
     if args.dump_only:
         return
 
+    family = args.drafter or spec.name
+    overrides = {"num_draft_tokens": args.k, **drafter_overrides(args)}  # --draft-vocab-size, --config
     rows = []
     for size in reversed(sizes):  # the largest (the shipped drafter) first
         n = prefix_for_tokens(train_records, size)
-        out = os.path.join(args.out, f"size-{size}")
+        out = os.path.join(args.out, f"size-{size}" if family == spec.name else f"{family}-size-{size}")
         targs = DrafterTrainingArguments(
             output_dir=out, num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
             learning_rate=args.lr, warmup_steps=0.03, save_steps=args.save_steps, eval_steps=args.save_steps, logging_steps=20,
@@ -193,7 +205,7 @@ def main(argv=None):
         else:
             resume = os.path.isdir(out) and any(name.startswith("checkpoint-") for name in os.listdir(out))
             _, record = train_drafter(
-                target, tokenizer, None, targs, drafter=spec.name, drafter_overrides=overrides,
+                target, tokenizer, None, targs, drafter=family, drafter_overrides=overrides,
                 features_dir=os.path.join(args.out, "features-train"),
                 eval_features_dir=os.path.join(args.out, "features-eval"), max_train_examples=n, resume=resume,
             )  # fmt: skip
@@ -204,14 +216,18 @@ def main(argv=None):
         ev = record.get("final_eval") or {}
         print(f"{size}: {n} records, {answer_tokens} answer tokens, held-out acc_0 {ev.get('acc_0')}, "
               f"simulated tau {ev.get('simulated_tau')}")  # fmt: skip
-    write_results(args, rows[::-1], len(eval_records))
+    write_results(args, rows[::-1], len(eval_records), family)
 
 
-def write_results(args, rows, n_eval):
+def write_results(args, rows, n_eval, family):
+    from hf_specdec.commands.common import drafter_overrides
+    from hf_specdec.registry import get_drafter_spec
+
     os.makedirs(os.path.dirname(args.results) or ".", exist_ok=True)
     result = {
         "target": "SmolLM2-135M-Instruct",
-        "drafter": "EAGLE-3",
+        "drafter": get_drafter_spec(family).label,
+        "config_overrides": drafter_overrides(args),
         "data": args.data,
         "held_out_records": n_eval,
         "settings": {
