@@ -44,17 +44,17 @@ SCORED_STEPS = 5  # every drafter is scored with five draft steps unrolled (acc_
 def score(drafter, target, features_dir, args) -> dict:
     """Held-out loss, acc_0..4 and simulated tau of ``drafter`` on one feature dump, with ``SCORED_STEPS`` draft steps
     unrolled (a family with ``ttt_steps``, EAGLE-3 or MTP, for the scoring only; Hydra unrolls one per head)."""
-    unrolled = getattr(drafter.config, "ttt_steps", None)
-    if hasattr(drafter.config, "ttt_steps"):
-        drafter.config.ttt_steps = SCORED_STEPS
+    if not hasattr(drafter.config, "ttt_steps"):
+        return score_unrolled(drafter, target, features_dir, args)
+    unrolled, drafter.config.ttt_steps = drafter.config.ttt_steps, SCORED_STEPS
     try:
         return score_unrolled(drafter, target, features_dir, args)
     finally:
-        if hasattr(drafter.config, "ttt_steps"):
-            drafter.config.ttt_steps = unrolled
+        drafter.config.ttt_steps = unrolled
 
 
 def score_unrolled(drafter, target, features_dir, args) -> dict:
+    """``score`` with the draft steps ``drafter``'s config unrolls."""
     from hf_specdec.training.offline import OfflineFeatureDataset, collate_offline
     from hf_specdec.training.trainer import DrafterTrainer, DrafterTrainingArguments
 

@@ -188,7 +188,8 @@ def main(argv=None):
         return
 
     family = args.drafter or spec.name
-    overrides = {"num_draft_tokens": args.k, **drafter_overrides(args)}  # --draft-vocab-size, --config
+    config_overrides = drafter_overrides(args)  # --draft-vocab-size, --config
+    overrides = {"num_draft_tokens": args.k, **config_overrides}
     rows = []
     for size in reversed(sizes):  # the largest (the shipped drafter) first
         n = prefix_for_tokens(train_records, size)
@@ -216,18 +217,17 @@ def main(argv=None):
         ev = record.get("final_eval") or {}
         print(f"{size}: {n} records, {answer_tokens} answer tokens, held-out acc_0 {ev.get('acc_0')}, "
               f"simulated tau {ev.get('simulated_tau')}")  # fmt: skip
-    write_results(args, rows[::-1], len(eval_records), family)
+    write_results(args, rows[::-1], len(eval_records), family, config_overrides)
 
 
-def write_results(args, rows, n_eval, family):
-    from hf_specdec.commands.common import drafter_overrides
+def write_results(args, rows, n_eval, family, config_overrides):
     from hf_specdec.registry import get_drafter_spec
 
     os.makedirs(os.path.dirname(args.results) or ".", exist_ok=True)
     result = {
         "target": "SmolLM2-135M-Instruct",
         "drafter": get_drafter_spec(family).label,
-        "config_overrides": drafter_overrides(args),
+        "config_overrides": config_overrides,
         "data": args.data,
         "held_out_records": n_eval,
         "settings": {
