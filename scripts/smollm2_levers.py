@@ -21,7 +21,10 @@ a baseline trained in the same run on the same examples for the same steps:
   sequentially dependent heads on the final state (five heads, so five draft steps; ``hydra-prefix`` with Hydra++'s
   prefix attention layer) and MTP's two chained modules (as ``train_smollm2_families.sh`` trains them). On 500K
   answer tokens both scored above EAGLE-3 held out (``smollm2-families-distill.md``); these rows ask whether that
-  holds on the recipe the shipped drafter is trained with.
+  holds on the recipe the shipped drafter is trained with;
+* ``context-vocab``: the shipped recipe with a context vocabulary (``context_vocabulary``: the sequence's own tokens
+  outside the 4,096-token draft vocabulary are drafted too, trained through every unrolled step). Its acc_k count
+  the positions whose target token is a candidate (in the vocabulary or seen before), so compare simulated τ.
 
 Data: the training records of ``--from-shard`` .. ``--shards``-1 of ``data/smollm2-distill`` (the first
 ``--max-records`` of them) and the held-out records of every shard up to ``--shards`` (the scaling curve's hash rule),
@@ -68,6 +71,7 @@ VARIANTS = {
     "hydra": ({"num_heads": SCORED_STEPS}, {}),
     "hydra-prefix": ({"num_heads": SCORED_STEPS, "prefix_layer": True}, {}),
     "mtp": ({"num_mtp_modules": 2, "ttt_steps": 4}, {}),
+    "context-vocab": ({"context_vocabulary": True}, {}),
 }
 # variants that train another drafter family than the shipped one (name -> family), on the same dump and budget
 FAMILIES = {"hydra": "hydra", "hydra-prefix": "hydra", "mtp": "mtp"}

@@ -32,6 +32,7 @@ LAYERS = {
     "types": TYPES,
     "configuration_utils": TYPES,
     "layers": TYPES,
+    "context_vocab": TYPES,
     "features": TYPES,
     "text_files": TYPES,
     "cpu_kernels": TYPES,

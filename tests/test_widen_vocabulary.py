@@ -2,6 +2,8 @@
 target, then fine-tuned (``train_drafter(..., drafter=path, drafter_overrides={"draft_vocab_size": N})``); and
 deepening a trained EAGLE-3 drafter the same way (``{"num_hidden_layers": N}``, ``hf-specdec train --draft-layers``)."""
 
+import types
+
 import pytest
 import torch
 from helpers import make_target
@@ -126,3 +128,28 @@ def test_deepening_a_trained_drafter_through_train_drafter(target, trained, tmp_
     with pytest.raises(ValueError, match="OracleDrafter cannot be deepened"):
         train_drafter(target, None, list(data.examples), args(tmp_path / "flat"), drafter=flat,
                       drafter_overrides={"num_hidden_layers": 2}, eval_fraction=0.0)  # fmt: skip
+
+
+def test_a_context_vocabulary_added_to_a_trained_drafter_through_train_drafter(target, trained, tmp_path):
+    """``{"context_vocabulary": True}`` (``hf-specdec train --context-vocabulary``) with a trained EAGLE-3 drafter
+    adds the map (fitted to its LM head, every trained weight kept) and trains it with the drafter; a drafter family
+    without one is refused by name, and a fresh drafter with one warns that it trails the same drafter without."""
+    from hf_specdec.commands.common import drafter_overrides
+
+    path, data = trained
+    old = AutoModelForDrafting.from_pretrained(path)
+    assert drafter_overrides(types.SimpleNamespace(context_vocabulary=True)) == {"context_vocabulary": True}
+    run = args(tmp_path, max_steps=4, save_steps=2, eval_steps=100)
+    drafter, record = train_drafter(target, None, list(data.examples), run, drafter=path,
+                                    drafter_overrides={"context_vocabulary": True}, eval_fraction=0.0)  # fmt: skip
+    assert record["steps"] == 4 and drafter.config.context_vocabulary
+    saved = AutoModelForDrafting.from_pretrained(tmp_path / "out")
+    assert saved.config.context_vocabulary and set(old.state_dict()) < set(saved.state_dict())
+    grown = old.with_context_vocabulary(target)
+    assert not torch.equal(saved.context_vocab.proj.weight, grown.context_vocab.proj.weight)  # trained from its fit
+    flat = OracleDrafter(OracleDrafterConfig.for_target(target.config))
+    with pytest.raises(ValueError, match="OracleDrafter has no context vocabulary"):
+        train_drafter(target, None, list(data.examples), args(tmp_path / "flat"), drafter=flat,
+                      drafter_overrides={"context_vocabulary": True}, eval_fraction=0.0)  # fmt: skip
+    with pytest.warns(UserWarning, match="fine-tuning stage"):
+        fresh(target, draft_vocab_size=48, context_vocabulary=True).bind_target(target).init_from_target(target)

@@ -278,6 +278,11 @@ def export_drafter(drafter, out_dir: str, layout: str, target=None) -> str:
             f"Layout {layout!r} holds {spec.family} drafters; got a {drafter.config.model_type}. Exportable "
             f"layouts for it: {_names(lambda x: x.save and x.family == drafter.config.model_type)}."
         )
+    if getattr(drafter.config, "context_vocabulary", False):
+        raise ValueError(
+            f"Layout {layout!r} has no context vocabulary, and this drafter drafts from one: other runtimes could not "
+            "run it as trained. Share it in hf_specdec's own format (`save_pretrained` / `hf-specdec push`)."
+        )
     os.makedirs(out_dir, exist_ok=True)
     spec.save(drafter, out_dir, target if target is not None else getattr(drafter, "bound_target", None))
     return out_dir

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .context_vocab import ContextCandidates
 from .layers import SlotKVCache
 from .types import DraftInputs, Proposal, TokenSelector
 
@@ -41,6 +42,7 @@ class FeatureDraftState:
     tree_hidden: torch.Tensor | None = None  # (batch, expanded nodes, hidden) while a tree is being drafted
     tree_nodes: dict | None = None  # draft cache index -> the expanded nodes whose slots it holds, in order
     confidence_threshold: float | None = None  # stop a row's chain when the draft's top probability falls below
+    context: ContextCandidates | None = None  # with a context vocabulary: each row's tokens outside the vocabulary
 
 
 class FeatureAutoregressiveMixin:
@@ -49,10 +51,25 @@ class FeatureAutoregressiveMixin:
     supports_tree_drafting = True
     draft_options = {"draft_confidence_threshold": None}
 
-    def _step(self, embeds, hidden, position_ids, valid, cache: SlotKVCache, step: int | None = None):
+    def _step(self, embeds, hidden, position_ids, valid, cache: SlotKVCache, step: int | None = None, state=None):
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
         out = self.draft_layer(embeds, hidden, cos, sin, cache, valid, step=step)
-        return out, self.draft_logits(out)
+        return out, self.widened_logits(state, out)
+
+    def widened_logits(self, state: FeatureDraftState | None, out: torch.Tensor) -> torch.Tensor:
+        """Draft logits of layer outputs: over the draft vocabulary, then (with a context vocabulary) over the row's
+        candidates (see :mod:`hf_specdec.context_vocab`)."""
+        logits = self.draft_logits(out)
+        if state is None or state.context is None:
+            return logits
+        return state.context.extend(logits, self.output_features(out), self.context_vocab)
+
+    def selector_vocab_ids(self, state: FeatureDraftState) -> torch.LongTensor | None:
+        """The target ids of the draft logits' columns: ``None`` (the full vocabulary), the draft vocabulary's, or
+        per row the draft vocabulary's and the row's candidates."""
+        if state.context is not None:
+            return state.context.union_ids(self.draft_token_ids)
+        return self.draft_token_ids if self.config.draft_vocab_size != self.config.target_vocab_size else None
 
     def new_draft_cache(self):
         """The draft KV cache of one ``generate`` call (needs ``length``, ``valid``, ``crop`` and ``compact``)."""
@@ -72,7 +89,12 @@ class FeatureAutoregressiveMixin:
             raise ValueError(
                 f"draft_confidence_threshold must be a probability in [0, 1], got {draft_confidence_threshold!r}."
             )
-        return FeatureDraftState(cache=self.new_draft_cache(), confidence_threshold=draft_confidence_threshold)
+        context = None
+        if getattr(self, "context_vocab", None) is not None:
+            context = ContextCandidates.empty(batch_size, self.config.hidden_size, self.device, self.dtype)
+        return FeatureDraftState(
+            cache=self.new_draft_cache(), confidence_threshold=draft_confidence_threshold, context=context
+        )
 
     def observe(self, state: FeatureDraftState, inputs: DraftInputs) -> None:
         # Drop the speculative slots of the last proposal; the verified slots below replace them.
@@ -90,8 +112,12 @@ class FeatureAutoregressiveMixin:
         slot = torch.arange(valid.shape[1], device=valid.device)
         last = torch.where(valid, slot, -1).max(dim=1).values.clamp(min=0)
         rows = torch.arange(valid.shape[0], device=valid.device)
+        if state.context is not None:
+            ids = inputs.next_token_ids.to(self.device)
+            head = self._borrowed("lm_head").weight
+            state.context.add(ids, valid, ~self.t2d[ids], self.context_vocab, head)
         state.last_hidden = out[rows, last]
-        state.last_logits = self.draft_logits(state.last_hidden)
+        state.last_logits = self.widened_logits(state, state.last_hidden)
         state.last_position = positions[rows, last]
 
     def propose(self, state: FeatureDraftState, num_tokens: int, select: TokenSelector) -> Proposal:
@@ -104,8 +130,7 @@ class FeatureAutoregressiveMixin:
         logits, hidden = state.last_logits, state.last_hidden
         bsz = hidden.shape[0]
         ones = torch.ones(bsz, 1, dtype=torch.bool, device=hidden.device)
-        reduced = self.config.draft_vocab_size != self.config.target_vocab_size
-        vocab_ids = self.draft_token_ids if reduced else None
+        vocab_ids = self.selector_vocab_ids(state)
         threshold = state.confidence_threshold
         lengths = torch.zeros(bsz, dtype=torch.long, device=hidden.device)
         alive = torch.ones(bsz, dtype=torch.bool, device=hidden.device)
@@ -122,7 +147,13 @@ class FeatureAutoregressiveMixin:
                 break
             pos = (state.last_position + 1 + depth)[:, None]
             out, step_logits = self._step(
-                self.embed_target_tokens(tok[:, None]), hidden[:, None], pos, ones, state.cache, step=depth + 1
+                self.embed_target_tokens(tok[:, None]),
+                hidden[:, None],
+                pos,
+                ones,
+                state.cache,
+                step=depth + 1,
+                state=state,
             )
             hidden, logits = out[:, 0], step_logits[:, 0]
         draft_probs = torch.stack(probs, dim=1) if probs and probs[0] is not None else None
@@ -141,8 +172,7 @@ class FeatureAutoregressiveMixin:
         state.cache.crop(state.committed_slots)  # drop the slots of an earlier tree or chain proposal
         state.tree_hidden = None
         state.tree_nodes = {}
-        reduced = self.config.draft_vocab_size != self.config.target_vocab_size
-        return state.last_logits, (self.draft_token_ids if reduced else None)
+        return state.last_logits, self.selector_vocab_ids(state)
 
     def tree_expand(self, state: FeatureDraftState, expansion) -> torch.Tensor:
         """One draft-layer step over ``M`` tree nodes of one depth: each reads its parent's draft hidden state (the
@@ -181,4 +211,4 @@ class FeatureAutoregressiveMixin:
         ones = torch.ones(bsz, m, dtype=torch.bool, device=dev)
         out = self.draft_layer(embeds, parent_hidden, cos, sin, state.cache, ones, attn_mask=mask, step=step)
         state.tree_hidden = out if state.tree_hidden is None else torch.cat([state.tree_hidden, out], dim=1)
-        return self.draft_logits(out).float()
+        return self.widened_logits(state, out).float()

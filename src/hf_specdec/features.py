@@ -109,11 +109,15 @@ class SoftLabels:
         argmax: ``(batch, seq)`` index into ``token_ids`` (a token id when ``token_ids`` is ``None``) of the most
             likely token among ``token_ids``.
         full_argmax: ``(batch, seq)`` the teacher's greedy token id over the full vocabulary.
+        context_ids / context_first: with a context vocabulary (:mod:`hf_specdec.context_vocab`), ``(batch, C)``
+            each row's candidates after the draft vocabulary's columns and the position each first appears at.
     """
 
     probs: torch.Tensor
     argmax: torch.LongTensor
     full_argmax: torch.LongTensor
+    context_ids: torch.LongTensor | None = None
+    context_first: torch.LongTensor | None = None
 
 
 @torch.no_grad()

@@ -16,6 +16,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .configuration_utils import DrafterConfig, get_text_config
+from .context_vocab import context_soft_labels
 from .types import DraftInputs, Proposal, TokenSelector
 
 # Guards binding: a drafter stays bound to one target while any `generate` call with it runs (see `generating_for`).
@@ -452,7 +453,7 @@ class DrafterPreTrainedModel(PreTrainedModel):
             if emb is None:
                 raise ValueError(f"{type(self).__name__} needs the target's input embeddings; the target has none.")
             bound["embed_tokens"] = emb
-        if self.borrows_target_lm_head:
+        if self.borrows_target_lm_head or getattr(self, "context_vocab", None) is not None:
             head = target.get_output_embeddings()
             if head is None:
                 raise ValueError(f"{type(self).__name__} needs the target's LM head; the target has none.")
@@ -938,8 +939,10 @@ class DrafterPreTrainedModel(PreTrainedModel):
 
         Refuses loss kwargs the family does not declare and a missing LM head. ``loss_mask`` is the batch's loss
         mask within its attention mask; ``soft_labels`` the teacher's distribution over the draft vocabulary;
-        ``in_vocab`` whether the teacher's choice at each position is in it; ``hard_targets`` (``labels="hard"``) the
-        draft index of each token (``-1`` outside the draft vocabulary), else ``None``."""
+        ``in_vocab`` whether the teacher's choice at each position is in it (with a context vocabulary, both cover the
+        draft vocabulary and each row's candidates: :func:`~hf_specdec.context_vocab.context_soft_labels`);
+        ``hard_targets`` (``labels="hard"``) the draft index of each token (``-1`` outside the draft vocabulary), else
+        ``None``."""
         name = type(self).__name__
         unknown = sorted(set(loss_kwargs) - set(self.loss_kwargs))
         if unknown:
@@ -956,8 +959,17 @@ class DrafterPreTrainedModel(PreTrainedModel):
             loss_mask = loss_mask & attn.bool()
         loss_mask = loss_mask.to(self.device)
         reduced = self.reduced_vocabulary
-        soft = features.soft_labels(target_head, self.draft_token_ids if reduced else None)
-        in_vocab = self.t2d[soft.full_argmax.to(self.device)] if reduced else torch.ones_like(loss_mask)
+        if getattr(self, "context_vocab", None) is not None:  # the draft vocabulary and each row's candidates
+            if labels == "hard":
+                raise ValueError(f"{name} drafts over a context vocabulary, which trains on soft labels only.")
+            valid = batch["attention_mask"].bool() if attn is not None else torch.ones_like(batch["loss_mask"].bool())
+            soft, in_vocab = context_soft_labels(
+                features, target_head, self.draft_token_ids, self.t2d, batch["input_ids"], valid
+            )
+            in_vocab = in_vocab.to(self.device)
+        else:
+            soft = features.soft_labels(target_head, self.draft_token_ids if reduced else None)
+            in_vocab = self.t2d[soft.full_argmax.to(self.device)] if reduced else torch.ones_like(loss_mask)
         hard = None
         if labels == "hard":
             ids = batch["input_ids"].to(self.device)

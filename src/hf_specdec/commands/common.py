@@ -55,6 +55,8 @@ def drafter_overrides(args) -> dict:
         out["num_hidden_layers"] = args.draft_layers
     if getattr(args, "layer_ids", None):
         out["target_layer_ids"] = args.layer_ids
+    if getattr(args, "context_vocabulary", False):
+        out["context_vocabulary"] = True
     for item in getattr(args, "config", None) or []:  # --config KEY=VALUE (VALUE read as JSON, else a string)
         key, sep, value = item.partition("=")
         if not sep or not key:

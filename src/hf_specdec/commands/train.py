@@ -145,6 +145,12 @@ def add_parsers(sub) -> None:
     )
     p.add_argument("--layer-ids", type=int, nargs="+", default=None)
     p.add_argument(
+        "--context-vocabulary",
+        action="store_true",
+        help="also draft the sequence's own tokens outside the draft vocabulary (context_vocabulary; for a trained "
+        "--drafter: the map is added and fitted to its LM head, every trained weight kept)",
+    )
+    p.add_argument(
         "--config",
         action="append",
         metavar="KEY=VALUE",

@@ -70,10 +70,8 @@ class _DraftSelector:
             if self.processor.is_identity and not self.do_sample:
                 # Greedy without processors: the argmax over the draft vocabulary is the argmax over the target
                 # vocabulary with -inf outside it, without building the full-vocabulary tensor.
-                return vocab_ids[logits.argmax(dim=-1)], None
-            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-            full[:, vocab_ids] = logits
-            logits = full
+                return _target_ids(vocab_ids, logits.argmax(dim=-1)), None
+            logits = _full_vocabulary(logits, vocab_ids, self.vocab_size)
         if self.processor.is_identity:
             scores = logits
         else:
@@ -88,6 +86,22 @@ class _DraftSelector:
             rows = torch.arange(tokens.shape[0], device=self.seq.device)
             self.seq[rows, self.lengths + depth] = tokens
         return tokens, probs
+
+
+def _target_ids(vocab_ids: torch.LongTensor, index: torch.LongTensor) -> torch.LongTensor:
+    """Target ids of column ``index`` (``(batch,)``) of draft logits over ``vocab_ids``: one ``(V,)`` for every row,
+    or ``(batch, V)`` per row (a context vocabulary)."""
+    return vocab_ids[index] if vocab_ids.dim() == 1 else vocab_ids.gather(1, index[:, None])[:, 0]
+
+
+def _full_vocabulary(logits: torch.Tensor, vocab_ids: torch.LongTensor, vocab_size: int) -> torch.Tensor:
+    """``(batch, vocab_size)`` logits, ``-inf`` outside ``vocab_ids``; per-row ids may repeat an id on padding
+    columns (``-inf`` there), so a repeated id keeps its largest logit."""
+    full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
+    if vocab_ids.dim() == 1:
+        full[:, vocab_ids] = logits
+        return full
+    return full.scatter_reduce(1, vocab_ids, logits, reduce="amax")
 
 
 def synchronize(device: torch.device) -> None:

@@ -143,7 +143,9 @@ def train_drafter(
     vocabulary to ``N`` before fine-tuning (:meth:`~hf_specdec.DrafterPreTrainedModel.widened_draft_vocabulary`:
     the training data's most frequent other tokens join it, every trained weight is kept), and
     ``{"num_hidden_layers": N}`` deepens a trained drafter whose family stacks draft layers to ``N`` of them (its
-    ``with_draft_layers``: the added layers start as identities); no other override applies to a trained drafter.
+    ``with_draft_layers``: the added layers start as identities), and ``{"context_vocabulary": True}`` gives a trained
+    drafter a context vocabulary (its family's ``with_context_vocabulary``: the map fitted to its LM head); no other
+    override applies to a trained drafter.
 
     Returns:
         ``(drafter, training_record)``.
@@ -152,8 +154,10 @@ def train_drafter(
 
     set_seed(args.seed)  # a fresh drafter's initialisation is part of a reproducible run
     overrides = dict(drafter_overrides or {})
-    widen_to, deepen_to = _trained_drafter_changes(drafter, overrides)
+    widen_to, deepen_to, context = _trained_drafter_changes(drafter, overrides)
     model = _deepened(make_drafter(target, drafter, **overrides), deepen_to)
+    if context:
+        model = _with_context_vocabulary(model, target)
     train, held_out, collate, info = _training_data(
         model, target, tokenizer, data, features_dir, eval_features_dir, max_train_examples, max_length,
         eval_fraction, args.seed, eval_data,
@@ -170,18 +174,29 @@ def train_drafter(
     return trainer.unwrapped_drafter, record
 
 
-def _trained_drafter_changes(drafter, overrides: dict) -> tuple[int | None, int | None]:
-    """``(draft vocabulary, draft layers)`` asked for a trained drafter (``draft_vocab_size`` / ``num_hidden_layers``
-    among the overrides of a drafter given by path or as a model, taken out of them); ``None`` for a fresh drafter or
-    no such override."""
+def _trained_drafter_changes(drafter, overrides: dict) -> tuple[int | None, int | None, bool]:
+    """``(draft vocabulary, draft layers, context vocabulary)`` asked for a trained drafter (``draft_vocab_size`` /
+    ``num_hidden_layers`` / ``context_vocabulary`` among the overrides of a drafter given by path or as a model,
+    taken out of them); ``None`` (``False``) for a fresh drafter or no such override."""
     from ..registry import DRAFTERS
 
     fresh = drafter is None or (isinstance(drafter, str) and drafter in DRAFTERS)
     if fresh:
-        return None, None
-    return tuple(
+        return None, None, False
+    sizes = [
         None if overrides.get(k) is None else int(overrides.pop(k)) for k in ("draft_vocab_size", "num_hidden_layers")
-    )
+    ]
+    return sizes[0], sizes[1], bool(overrides.pop("context_vocabulary", False))
+
+
+def _with_context_vocabulary(model, target):
+    """``model`` with a context vocabulary (its family's ``with_context_vocabulary``)."""
+    if not hasattr(model, "with_context_vocabulary"):
+        raise ValueError(
+            f"{type(model).__name__} has no context vocabulary: context_vocabulary applies to a drafter of a family "
+            "that can draft from one (its config has a context_vocabulary field)."
+        )
+    return model.with_context_vocabulary(target)
 
 
 def _deepened(model, layers: int | None):

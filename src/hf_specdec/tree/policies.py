@@ -4,7 +4,8 @@ A drafter opts in with ``supports_tree_drafting = True`` and two methods (see
 :class:`~hf_specdec.DrafterPreTrainedModel`):
 
 * ``tree_start(state) -> (root_logits, vocab_ids)``: the draft distribution after the last committed token,
-  ``(batch, draft_vocab)``, and the target ids of the draft vocabulary (``None`` for the full vocabulary);
+  ``(batch, draft_vocab)``, and the target ids of the draft vocabulary (``None`` for the full vocabulary; ``(batch,
+  draft_vocab)`` per row for a drafter with a context vocabulary, whose padding columns have ``-inf`` logits);
 * ``tree_expand(state, expansion: TreeExpansion) -> logits``: the draft distribution after each of ``M`` nodes,
   ``(batch, M, draft_vocab)``. Nodes are expanded depth by depth; every node's ancestors were expanded before it.
 
@@ -89,7 +90,13 @@ class TreePolicy:
 
 
 def _to_target(ids: torch.LongTensor, vocab_ids: torch.LongTensor | None) -> torch.LongTensor:
-    return ids if vocab_ids is None else vocab_ids.to(ids.device)[ids]
+    """Target ids of draft columns ``ids`` (``(batch, ...)``): over one ``(V,)`` vocabulary or per row ``(batch, V)``."""
+    if vocab_ids is None:
+        return ids
+    vocab_ids = vocab_ids.to(ids.device)
+    if vocab_ids.dim() == 1:
+        return vocab_ids[ids]
+    return vocab_ids.gather(1, ids.reshape(ids.shape[0], -1)).reshape(ids.shape)
 
 
 def _check_drafter(drafter) -> None:

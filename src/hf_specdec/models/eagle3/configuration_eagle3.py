@@ -51,6 +51,9 @@ class Eagle3Config(DecoderDrafterConfig):
             target state (``fc_norm.{i}``, ``target_hidden_size`` wide) before ``fc``.
         norm_before_fc (`bool`, defaults to `False`): speculators' / vLLM's single RMSNorm over the concatenated
             target states before ``fc`` (``input_norm``); exclusive with ``fc_norm``.
+        context_vocabulary (`bool`, defaults to `False`): widen a reduced draft vocabulary, per request, with the
+            sequence's own tokens outside it, scored through the target's LM-head rows mapped by ``context_vocab``
+            (see :mod:`hf_specdec.context_vocab`). Needs a reduced draft vocabulary; hf_specdec's own format only.
         Other arguments: see :class:`~hf_specdec.DrafterConfig`.
     """
 
@@ -66,6 +69,7 @@ class Eagle3Config(DecoderDrafterConfig):
     num_draft_tokens: int = 5
     ttt_steps: int | None = None  # training: draft steps unrolled in the loss (None: num_draft_tokens)
     ttt_decay: float = 0.8  # training: weight ttt_decay**j of step j in the loss
+    context_vocabulary: bool = False  # draft the sequence's own tokens outside the draft vocabulary too
 
     @classmethod
     def default_target_layer_ids(cls, num_layers: int) -> list[int]:
@@ -80,6 +84,7 @@ class Eagle3Config(DecoderDrafterConfig):
                 f"{type(self).__name__}.num_hidden_layers is the number of draft decoder layers: an integer >= 1, "
                 f"got {layers!r}."
             )
+        self.validate_context_vocabulary()
         if not require_complete and not self.is_bound_to_target_facts:
             return
         validate_decoder_layer(self, "the EAGLE-3 draft layer consumes the target's token embeddings")
@@ -101,4 +106,18 @@ class Eagle3Config(DecoderDrafterConfig):
             raise ValueError(
                 f"{name}.norm_feedback feeds back the LM head's normed input, but norm_output=False leaves the LM "
                 "head without the norm: set norm_output=True or norm_feedback=False."
+            )
+
+    def validate_context_vocabulary(self) -> None:
+        """Refuses a context vocabulary that could add nothing: it widens a reduced draft vocabulary."""
+        if not isinstance(self.context_vocabulary, bool):
+            raise ValueError(
+                f"{type(self).__name__}.context_vocabulary is a flag (true / false), got {self.context_vocabulary!r}."
+            )
+        full = self.target_vocab_size is not None and self.draft_vocab_size == self.target_vocab_size
+        if self.context_vocabulary and full:
+            raise ValueError(
+                f"{type(self).__name__}.context_vocabulary widens a reduced draft vocabulary, but this drafter drafts "
+                f"over the target's whole vocabulary ({self.target_vocab_size} tokens): set draft_vocab_size below "
+                "it, or context_vocabulary=False."
             )

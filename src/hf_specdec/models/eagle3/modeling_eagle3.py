@@ -9,12 +9,14 @@ is fed back through ``hidden_norm``).
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.modeling_outputs import ModelOutput
 
+from ...context_vocab import ContextVocabulary, widen_step_logits
 from ...feature_drafting import FeatureAutoregressiveMixin, FeatureDraftState
 from ...layers import (
     DraftAttention,
@@ -123,6 +125,8 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, DrafterPreTrainedModel):
             self.upper_layers = nn.ModuleList(DraftDecoderLayer(config) for _ in range(config.num_hidden_layers - 1))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        if config.context_vocabulary:
+            self.context_vocab = ContextVocabulary(config.target_hidden_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling_parameters, config.max_position_embeddings
         )
@@ -153,12 +157,16 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, DrafterPreTrainedModel):
             features = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(features)
 
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits of draft layer outputs: through the final ``norm`` unless ``norm_output`` is off,
-        or already through it (``norm_feedback``: :meth:`layer_output` applied it)."""
+    def output_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads of draft layer outputs: their final ``norm`` unless ``norm_output`` is off, or
+        they are already through it (``norm_feedback``: :meth:`layer_output` applied it)."""
         if self.config.norm_output and not self.config.norm_feedback:
-            hidden = self.norm(hidden)
-        return self.lm_head(hidden)
+            return self.norm(hidden)
+        return hidden
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of draft layer outputs (the LM head on :meth:`output_features`)."""
+        return self.lm_head(self.output_features(hidden))
 
     def layer_output(self, hidden: torch.Tensor) -> torch.Tensor:
         """What a draft step hands on (to the LM head and the next step): the layer output, or its final norm with
@@ -266,6 +274,39 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, DrafterPreTrainedModel):
         the draft vocabulary (set by :meth:`init_from_data`, which runs first) and ``norm`` the target's final norm
         (see :meth:`~hf_specdec.DrafterPreTrainedModel.init_output_from_target`)."""
         self.init_output_from_target(target, self.lm_head, self.norm if self.config.norm_output else None)
+        if self.config.context_vocabulary:
+            self.fit_context_vocabulary(target)
+            warnings.warn(
+                "Training a drafter with a context vocabulary from scratch: on SmolLM2 this scored below the same "
+                "drafter without one (simulated tau 1.43 against 1.48, smollm2-context-vocab-levers.md), because the "
+                "map falls behind the LM head as it trains. Train the drafter first, then add the context vocabulary "
+                "in a fine-tuning stage (`hf-specdec train --drafter TRAINED --context-vocabulary`).",
+                stacklevel=2,
+            )
+
+    @torch.no_grad()
+    def fit_context_vocabulary(self, target: nn.Module) -> float:
+        """Fits ``context_vocab``'s map so that the target's LM-head rows of the draft vocabulary score as this
+        drafter's own ``lm_head`` rows do (least squares; the copy prior starts at 0); returns the mean cosine
+        between mapped and own rows."""
+        head = target.get_output_embeddings().weight
+        return self.context_vocab.fit(head[self.draft_token_ids.to(head.device)], self.lm_head.weight)
+
+    @torch.no_grad()
+    def with_context_vocabulary(self, target: nn.Module) -> Eagle3ForDrafting:
+        """A copy of this drafter that also drafts the sequence's own tokens outside its draft vocabulary
+        (``context_vocabulary``), every weight kept and the map fitted to its LM head (:meth:`fit_context_vocabulary`).
+        Until trained it drafts as this one does wherever the mapped rows score below its own best token. The copy
+        is unbound."""
+        if self.config.context_vocabulary:
+            return self
+        config = copy.deepcopy(self.config)
+        config.context_vocabulary = True
+        config.validate_context_vocabulary()
+        wider = type(self)(config).to(device=self.device, dtype=self.dtype)
+        wider.load_state_dict(self.state_dict(), strict=False)  # a superset: only the map is missing
+        wider.fit_context_vocabulary(target)
+        return wider.train(self.training)
 
     def ttt_forward(self, input_ids, target_hidden_states, attention_mask=None, steps: int | None = None):
         """Unrolls ``steps`` draft steps over a sequence (training-time test).
@@ -309,7 +350,9 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, DrafterPreTrainedModel):
         Soft labels are the target's distribution over the draft vocabulary
         (:meth:`~hf_specdec.features.TargetFeatures.soft_labels`); anchor ``t`` at step ``j`` is scored when the
         predicted token ``t + 2 + j`` exists, is a loss token (``loss_mask``) and, with a reduced vocabulary, the
-        target's argmax is in the draft vocabulary.
+        target's argmax is in the draft vocabulary. With ``context_vocabulary`` the labels and each step's logits
+        cover the draft vocabulary and each row's candidates too (:mod:`hf_specdec.context_vocab`), and an anchor is
+        also scored where the target's argmax is a candidate seen by then.
 
         Loss kwargs (``loss_kwargs``): ``steps`` (default ``config.ttt_steps``, else ``num_draft_tokens``) and
         ``decay`` (default ``config.ttt_decay``). Metrics: ``correct`` / ``valid`` per step, and the pass-by-pass
@@ -323,8 +366,12 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, DrafterPreTrainedModel):
         input_ids = batch["input_ids"]
         attn_mask = batch.get("attention_mask")
         outs = self.ttt_forward(input_ids, features.hidden_states, attn_mask, steps)
+        step_logits = [logits for logits, _ in outs]
+        if cfg.context_vocabulary:
+            step_features = [self.output_features(hidden) for _, hidden in outs]
+            step_logits = widen_step_logits(step_logits, step_features, labels, self.context_vocab, target_head.weight)
         return depthwise_distillation_loss(
-            [logits for logits, _ in outs],
+            step_logits,
             labels,
             loss_mask,
             in_vocab,
