@@ -297,7 +297,7 @@ class Eagle3ForDrafting(FeatureAutoregressiveMixin, DrafterPreTrainedModel):
         """A copy of this drafter that also drafts the sequence's own tokens outside its draft vocabulary
         (``context_vocabulary``), every weight kept and the map fitted to its LM head (:meth:`fit_context_vocabulary`).
         Until trained it drafts as this one does wherever the mapped rows score below its own best token. The copy
-        is unbound."""
+        is unbound; a drafter that has a context vocabulary already is returned as it is."""
         if self.config.context_vocabulary:
             return self
         config = copy.deepcopy(self.config)
