@@ -97,11 +97,8 @@ class ContextCandidates:
         self.rows = torch.cat([self.rows, vocab.rows(head_weight, added).to(self.rows)], dim=1)
 
     def union_ids(self, draft_ids: torch.LongTensor) -> torch.LongTensor:
-        """``(batch, V + C)`` target ids of the union's columns (padding columns repeat draft id 0; their logits
-        are ``-inf``)."""
-        bsz = self.ids.shape[0]
-        pad = torch.where(self.ids >= 0, self.ids, draft_ids[0].to(self.ids.device))
-        return torch.cat([draft_ids.to(self.ids.device)[None].expand(bsz, -1), pad], dim=1)
+        """``(batch, V + C)`` target ids of the union's columns (:func:`union_columns`)."""
+        return union_columns(draft_ids, self.ids)
 
     def extend(self, logits: torch.Tensor, features: torch.Tensor, vocab: ContextVocabulary) -> torch.Tensor:
         """Draft-vocabulary logits ``(batch, [n,] V)`` of normed outputs ``features`` (``(batch, [n,] hidden)``)
@@ -112,6 +109,14 @@ class ContextCandidates:
         ctx = ctx.masked_fill((self.ids < 0)[:, None, :], float("-inf"))
         ctx = ctx[:, 0] if squeeze else ctx
         return torch.cat([logits.float(), ctx], dim=-1)
+
+
+def union_columns(draft_ids: torch.LongTensor, candidate_ids: torch.LongTensor) -> torch.LongTensor:
+    """``(batch, V + C)`` target ids of a union's columns: the draft vocabulary, then each row's candidates; padding
+    columns repeat draft id 0 (their logits are ``-inf`` or :data:`MASKED`)."""
+    device = candidate_ids.device
+    pad = torch.where(candidate_ids >= 0, candidate_ids, draft_ids[0].to(device))
+    return torch.cat([draft_ids.to(device)[None].expand(candidate_ids.shape[0], -1), pad], dim=1)
 
 
 def training_candidates(input_ids: torch.LongTensor, valid: torch.BoolTensor, outside: torch.BoolTensor):
@@ -159,8 +164,7 @@ def context_soft_labels(features, target_head: nn.Module, draft_ids, t2d, input_
     device = full.device
     ids, first = training_candidates(input_ids.to(device), valid.to(device), ~t2d.to(device)[input_ids.to(device)])
     bsz, seq, _ = full.shape
-    pad = torch.where(ids >= 0, ids, draft_ids[0].to(device))
-    columns = torch.cat([draft_ids.to(device)[None].expand(bsz, -1), pad], dim=1)
+    columns = union_columns(draft_ids, ids)
     union = full.gather(2, columns[:, None, :].expand(bsz, seq, -1))
     hidden_cols = torch.cat(
         [torch.zeros(bsz, seq, len(draft_ids), dtype=torch.bool, device=device), ~visible(first, seq, 0)], dim=2

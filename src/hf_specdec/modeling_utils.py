@@ -962,7 +962,7 @@ class DrafterPreTrainedModel(PreTrainedModel):
         if getattr(self, "context_vocab", None) is not None:  # the draft vocabulary and each row's candidates
             if labels == "hard":
                 raise ValueError(f"{name} drafts over a context vocabulary, which trains on soft labels only.")
-            valid = batch["attention_mask"].bool() if attn is not None else torch.ones_like(batch["loss_mask"].bool())
+            valid = attn.bool() if attn is not None else torch.ones_like(batch["loss_mask"].bool())
             soft, in_vocab = context_soft_labels(
                 features, target_head, self.draft_token_ids, self.t2d, batch["input_ids"], valid
             )

@@ -7,7 +7,7 @@ import types
 
 import pytest
 import torch
-from drafter_tester import prefill_inputs
+from drafter_tester import observe_slots, prefill_inputs
 from helpers import VOCAB, make_target, ragged_batch
 from sampling_check import check_sampling_matches_target
 
@@ -112,7 +112,7 @@ def test_training_unroll_scores_the_candidates_propose_drafts_from():
     state = drafter.init_draft_state(3, 64)
     compared = 0
     for anchor in range(ids.shape[1] - steps):
-        drafter.observe(state, _slots(full, slice(anchor, anchor + 1)))
+        observe_slots(drafter, state, full, slice(anchor, anchor + 1))
         forced = torch.cat([ids[:, anchor + 2 : anchor + 1 + steps], ids[:, -1:]], dim=1)
         sel = UnionSelector(forced)
         drafter.propose(state, steps, sel)
@@ -130,15 +130,6 @@ def test_training_unroll_scores_the_candidates_propose_drafts_from():
                 assert bool(torch.isinf(got[cand[row][(cand[row] >= 0) & ~seen]]).all())
             compared += 1
     assert compared == int(mask[:, : ids.shape[1] - steps].sum())
-
-
-def _slots(full, sl):
-    return type(full)(
-        next_token_ids=full.next_token_ids[:, sl],
-        position_ids=full.position_ids[:, sl],
-        valid=full.valid[:, sl],
-        hidden_states=tuple(h[:, sl] for h in full.hidden_states),
-    )
 
 
 @pytest.mark.parametrize("batch", [1, 3])
