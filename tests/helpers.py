@@ -32,8 +32,8 @@ def char_tokenizer():
 
 
 # A character-level chat tokenizer (ChatML template); ids 0..5 line up with tiny_target's PAD 0 / EOS 5.
-# Fixed draft length and no prompt-lookup merge: for tests of what the drafter itself proposes, pass by pass.
-FIXED_K = dict(draft_length="fixed", lookup_tokens=0)
+# Fixed draft length, no prompt-lookup merge and no n-gram copies: for tests of what the drafter itself proposes, pass by pass.
+FIXED_K = dict(draft_length="fixed", lookup_tokens=0, copy_threshold=0)
 
 CHAT_SPECIALS = ["<pad>", "<s>", "<unk>", "<|im_start|>", "<|im_end|>", "</s>"]  # ids 0..5 (tiny_target: PAD 0, EOS 5)
 CHAT_CHARS = string.ascii_letters + string.digits + " \n.,:!?'"

@@ -255,3 +255,17 @@ def test_draft_option_rows(tmp_path, capsys):
     assert main(["bench", "--prompts", str(prompts), "--max-new-tokens", "6", "--out", str(out), "--no-peers",
                  "--draft-option", "not_an_option=1"]) == 2  # fmt: skip
     assert "not_an_option" in capsys.readouterr().err
+
+
+def test_copy_threshold_rows(tmp_path):
+    """``--copy-threshold 0 0.7`` measures a drafter's chain without and with the n-gram copies, side by side."""
+    from hf_specdec.commands import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "import os\n\n\ndef main():\n", "category": "code"}) + "\n")
+    out = tmp_path / "bench"
+    assert main(["bench", "--prompts", str(prompts), "--max-new-tokens", "6", "--out", str(out), "--warmup", "0",
+                 "--no-peers", "--copy-threshold", "0", "0.7"]) == 0  # fmt: skip
+    report = json.loads((out / "bench.json").read_text())
+    rows = {m["name"]: m.get("copy_threshold") for m in report["config"]["methods"] if m["kind"] == "drafter"}
+    assert sorted(rows.values()) == [0.0, 0.7] and all(name.endswith(f"copy={v:g}") for name, v in rows.items())

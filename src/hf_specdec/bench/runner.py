@@ -153,11 +153,13 @@ def drafter_method(
     draft_length: str | None = None,
     lookup_tokens: int | None = None,
     forced_tokens: bool | None = None,
+    copy_threshold: float | None = None,
 ) -> BenchMethod:
     """An hf_specdec drafter (``target.generate(assistant_model=drafter)``), optionally with a verifier, drafting
     options (e.g. ``{"tree": "eagle2", "tree_depth": 5}``), a draft-length mode (``"adaptive"``, the loop's
-    default, or ``"fixed"``), the merged prompt lookup's length (``lookup_tokens``; 0: off) and whether a grammar's
-    forced tokens are verified before drafting (``forced_tokens``; the loop's default: yes)."""
+    default, or ``"fixed"``), the merged prompt lookup's length (``lookup_tokens``; 0: off), the n-gram copies'
+    threshold (``copy_threshold``; 0: off) and whether a grammar's forced tokens are verified before drafting
+    (``forced_tokens``; the loop's default: yes)."""
     from ..verification import VERIFIERS
 
     kwargs: dict = {"assistant_model": drafter, "spec_timing": True}
@@ -177,6 +179,8 @@ def drafter_method(
         kwargs["draft_length"] = draft_length
     if lookup_tokens is not None:
         kwargs["lookup_tokens"] = int(lookup_tokens)
+    if copy_threshold is not None:
+        kwargs["copy_threshold"] = float(copy_threshold)
     if forced_tokens is not None:
         kwargs["grammar_forced_tokens"] = bool(forced_tokens)
     if name is None:
@@ -202,6 +206,8 @@ def drafter_method(
             shape += " fixed"
         if lookup_tokens is not None:
             shape += f" lookup={lookup_tokens}"
+        if copy_threshold is not None:
+            shape += f" copy={copy_threshold:g}"
         if forced_tokens is not None:
             shape += f" forced={'on' if forced_tokens else 'off'}"
         name = f"{family}:{source} {shape}" + (f" [{label}]" if label else "")

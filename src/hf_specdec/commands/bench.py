@@ -18,6 +18,20 @@ def _demo_target_of(args):
     return DEMO_TARGETS.get(args.target.strip().lower())
 
 
+def _chain_variants(args, chain: bool):
+    """``(draft_length, lookup_tokens, copy_threshold, grammar forced tokens)`` of each row a drafter gets per K:
+    every combination of the values asked for (``None``: the loop's default; prompt lookup and the n-gram copies
+    are chain options, so trees take the default)."""
+    import itertools
+
+    return itertools.product(
+        args.draft_length or [None],
+        (args.lookup_tokens or [None]) if chain else [None],
+        (args.copy_threshold or [None]) if chain else [None],
+        args.grammar_forced_tokens or [None],
+    )
+
+
 def _bench_methods(args, target):
     from ..auto import AutoModelForDrafting
     from ..bench.runner import (
@@ -46,19 +60,18 @@ def _bench_methods(args, target):
             draft_options = _tree_options(args, tree)
             chain = tree == "chain"
             for k in (args.num_draft_tokens or [None]) if chain else [None]:
-                for mode in args.draft_length or [None]:
-                    for lookup in (args.lookup_tokens or [None]) if chain else [None]:
-                        for forced in args.grammar_forced_tokens or [None]:
-                            methods.append(
-                                drafter_method(
-                                    drafter,
-                                    num_draft_tokens=k,
-                                    draft_options=draft_options,
-                                    draft_length=mode,
-                                    lookup_tokens=lookup,
-                                    forced_tokens=None if forced is None else forced == "on",
-                                )
-                            )
+                for mode, lookup, copy, forced in _chain_variants(args, chain):
+                    methods.append(
+                        drafter_method(
+                            drafter,
+                            num_draft_tokens=k,
+                            draft_options=draft_options,
+                            draft_length=mode,
+                            lookup_tokens=lookup,
+                            copy_threshold=copy,
+                            forced_tokens=None if forced is None else forced == "on",
+                        )
+                    )
                 for verifier in args.verifier or []:
                     # matched against the strict rows: the same draft length mode and lookup (the first given)
                     methods.append(
@@ -442,6 +455,14 @@ def _add_bench_parser(sub) -> None:
         default=None,
         help="lengths of the prompt-lookup copies merged into drafted chains to measure (default: the loop's, 10; "
         "0: off)",
+    )
+    p.add_argument(
+        "--copy-threshold",
+        type=float,
+        nargs="+",
+        default=None,
+        help="n-gram copy thresholds to measure: a chain drafts the token that followed the text's latest matching "
+        "2-3 tokens where the drafter's top probability is below it (default: the loop's, 0.7; 0: off)",
     )
     _add_grammar_flags(p)
     p.add_argument("--verifier", nargs="+", default=None, help="also measure these verifiers (e.g. asd, typical)")

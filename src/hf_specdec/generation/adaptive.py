@@ -487,8 +487,10 @@ class DraftLengthMemory:
         self._lock = threading.Lock()
         self._by_target: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def controller(self, target, k_max: int, tree_key, bsz: int, do_sample: bool, device) -> DraftLengthController:
-        key = (str(device), int(bsz), bool(do_sample), tree_key, int(k_max))
+    def controller(self, target, k_max: int, tree_key, bsz: int, do_sample: bool, device, variant: tuple = ()):
+        """The controller for this setting (created cold on first use); ``variant``: drafting options that differ
+        from the loop's defaults (calls that draft differently learn apart)."""
+        key = (str(device), int(bsz), bool(do_sample), tree_key, int(k_max), variant)
         with self._lock:
             memory = self._by_target.setdefault(target, {})
             if key not in memory:
@@ -512,6 +514,8 @@ def draft_length_memory(drafter) -> DraftLengthMemory:
         return _MEMORIES[drafter]
 
 
-def controller_for(drafter, target, k_max: int, tree_key, bsz: int, do_sample: bool, device) -> DraftLengthController:
+def controller_for(
+    drafter, target, k_max: int, tree_key, bsz: int, do_sample: bool, device, variant: tuple = ()
+) -> DraftLengthController:
     """The drafter's controller for this target and setting (see :class:`DraftLengthMemory`)."""
-    return draft_length_memory(drafter).controller(target, k_max, tree_key, bsz, do_sample, device)
+    return draft_length_memory(drafter).controller(target, k_max, tree_key, bsz, do_sample, device, variant)

@@ -41,7 +41,15 @@ from ..types import DraftInputs, Proposal, SpeculativeDecoderOnlyOutput, Verific
 from ..verification import get_verifier
 from .adaptive import DRAFT_LENGTH_MODES, controller_for
 from .logits import ScoreProcessor
-from .ngram import NGRAM_SIZES, CopyOutcomes, lookup_continuations, lookup_proposal, merge_lookup
+from .ngram import (
+    COPY_THRESHOLD,
+    NGRAM_SIZES,
+    CopyOutcomes,
+    continuation_tokens,
+    lookup_continuations,
+    lookup_proposal,
+    merge_lookup,
+)
 from .options import option_names, route_options
 
 __all__ = ["speculative_generate", "TargetPasses", "Committer", "LoopStats"]
@@ -52,25 +60,43 @@ _TREE_ATTENTION = ("sdpa", "eager")
 
 
 class _DraftSelector:
-    """Token selection for chain drafters: same logits processors and decoding mode as the verifier."""
+    """Token selection for chain drafters: same logits processors and decoding mode as the verifier.
 
-    def __init__(
-        self, processor: ScoreProcessor, seq: torch.Tensor, lengths: torch.Tensor, do_sample: bool, vocab_size
-    ):
+    With ``copy_threshold`` > 0, a draft position where the drafter's top probability is below it drafts the token
+    that followed the latest earlier occurrence of the text's last 2-3 tokens instead, where there is one
+    (:func:`~hf_specdec.generation.ngram.continuation_tokens`; the drafted tokens count as text). The choice is a
+    function of the text and the drafter's distribution, so a copied token enters the verifier as a point mass
+    (``q`` one-hot) and sampling stays lossless."""
+
+    def __init__(self, processor: ScoreProcessor, seq: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor,
+                 do_sample: bool, vocab_size: int, copy_threshold: float = 0.0):  # fmt: skip
         self.processor = processor
         self.vocab_size = vocab_size
         self.seq = seq
         self.lengths = lengths  # committed length (prompt + generated) per row
+        self.starts = starts  # first real column per row (after left padding)
         self.do_sample = do_sample
+        self.copy_threshold = copy_threshold
 
     def __call__(self, logits: torch.Tensor, depth: int, vocab_ids: torch.LongTensor | None = None):
-        logits = logits.to(self.seq.device, torch.float32)
+        tokens, probs, scores = self._select(logits.to(self.seq.device, torch.float32), depth, vocab_ids)
+        if self.copy_threshold > 0:
+            tokens, probs = self._copy_where_unsure(tokens, probs, scores, depth)
+        if self.copy_threshold > 0 or not self.processor.is_identity:
+            # Later draft positions see this token in their n-gram query and their processors' prefix.
+            rows = torch.arange(tokens.shape[0], device=self.seq.device)
+            self.seq[rows, self.lengths + depth] = tokens
+        return tokens, probs
+
+    def _select(self, logits: torch.Tensor, depth: int, vocab_ids):
+        """``(tokens, q, scores)``: the drafter's tokens (target ids), their distribution when sampling, and the
+        scores they were chosen from (over the draft vocabulary on the greedy path without processors)."""
         if vocab_ids is not None:
             vocab_ids = vocab_ids.to(self.seq.device)
             if self.processor.is_identity and not self.do_sample:
                 # Greedy without processors: the argmax over the draft vocabulary is the argmax over the target
                 # vocabulary with -inf outside it, without building the full-vocabulary tensor.
-                return _target_ids(vocab_ids, logits.argmax(dim=-1)), None
+                return _target_ids(vocab_ids, logits.argmax(dim=-1)), None, logits
             logits = _full_vocabulary(logits, vocab_ids, self.vocab_size)
         if self.processor.is_identity:
             scores = logits
@@ -78,13 +104,21 @@ class _DraftSelector:
             scores = self.processor(logits[:, None], self.seq, self.lengths + depth)[:, 0]
         if self.do_sample:
             probs = torch.softmax(scores, dim=-1)
-            tokens = torch.multinomial(probs, 1).squeeze(-1)
-        else:
-            probs, tokens = None, scores.argmax(dim=-1)
-        if not self.processor.is_identity:
-            # Later draft positions see this token in their processors' prefix.
-            rows = torch.arange(tokens.shape[0], device=self.seq.device)
-            self.seq[rows, self.lengths + depth] = tokens
+            return torch.multinomial(probs, 1).squeeze(-1), probs, scores
+        return scores.argmax(dim=-1), None, scores
+
+    def _copy_where_unsure(self, tokens, probs, scores, depth: int):
+        """The rows whose drafter is unsure (top probability below ``copy_threshold``) and whose text has an n-gram
+        continuation draft that token instead, as a point mass."""
+        copy, found = continuation_tokens(self.seq, self.starts, self.lengths, depth)
+        top = torch.softmax(scores, dim=-1).amax(dim=-1)
+        use = found & (top <= self.copy_threshold)
+        if scores.shape[-1] == self.vocab_size:  # a copy the processors rule out would only be rejected
+            use &= scores.gather(1, copy[:, None])[:, 0] > float("-inf")
+        tokens = torch.where(use, copy, tokens)
+        if probs is not None:
+            point = torch.nn.functional.one_hot(copy, probs.shape[-1]).to(probs.dtype)
+            probs = torch.where(use[:, None], point, probs)
         return tokens, probs
 
 
@@ -567,6 +601,8 @@ class DecodingOptions:
         tree_kwargs / policy: the tree options and their policy (``None``: chains).
         draft_length: ``"adaptive"`` or ``"fixed"``.
         lookup_tokens: longest prompt-lookup copy merged into chains (0: off; always 0 with trees).
+        copy_threshold: a chain drafts the n-gram copy's token where the drafter's top probability is below this
+            (0: off; chains only).
         forced_tokens: whether chains verify the tokens a grammar processor forces before asking the drafter.
         width_max / depth_max: most draft nodes in a pass / most tokens a pass can accept.
         max_length / max_new: the length limit and the tokens it leaves after the prompt.
@@ -580,6 +616,7 @@ class DecodingOptions:
     policy: Any
     draft_length: str
     lookup_tokens: int
+    copy_threshold: float
     forced_tokens: bool
     width_max: int
     depth_max: int
@@ -588,7 +625,8 @@ class DecodingOptions:
 
     @classmethod
     def resolve(cls, drafter, generation_config, prompt_len: int, num_draft_tokens, verifier, verifier_options,
-                draft_options, draft_length, lookup_tokens, forced_tokens=True) -> DecodingOptions:  # fmt: skip
+                draft_options, draft_length, lookup_tokens, forced_tokens=True,
+                copy_threshold=None) -> DecodingOptions:  # fmt: skip
         max_length, max_new = _generation_room(generation_config, prompt_len)
         k_max = int(num_draft_tokens if num_draft_tokens is not None else drafter.config.num_draft_tokens)
         if k_max < 1:
@@ -612,15 +650,20 @@ class DecodingOptions:
         return cls(
             k_max=k_max, do_sample=do_sample, verifier=get_verifier(verifier, do_sample, **verifier_options),
             draft_options=draft_options, tree_kwargs=tree_kwargs, policy=policy, draft_length=draft_length,
-            lookup_tokens=lookup_tokens, forced_tokens=bool(forced_tokens), width_max=width_max,
+            lookup_tokens=lookup_tokens, copy_threshold=_copy_threshold(generation_config, copy_threshold),
+            forced_tokens=bool(forced_tokens), width_max=width_max,
             depth_max=policy.max_depth if policy is not None else width_max, max_length=max_length, max_new=max_new,
         )  # fmt: skip
 
     def controller_key(self):
-        """What the adaptive length keys its memory on, besides the target, batch size, mode and device."""
-        if self.policy is None:
-            return None, self.k_max
-        return tuple(sorted((k, repr(v)) for k, v in self.tree_kwargs.items())), self.width_max
+        """What the adaptive length keys its memory on, besides the target, batch size, mode and device:
+        ``(tree key, k, variant)``. The variant is ``(("copy_threshold", value),)`` for chains whose n-gram copies'
+        threshold is not the default (``()`` otherwise): the copies change what every draft depth accepts, so calls
+        that differ in it learn apart (a benchmark's rows, say)."""
+        if self.policy is not None:
+            return tuple(sorted((k, repr(v)) for k, v in self.tree_kwargs.items())), self.width_max, ()
+        variant = () if self.copy_threshold == COPY_THRESHOLD else (("copy_threshold", self.copy_threshold),)
+        return None, self.k_max, variant
 
 
 def _lookup_tokens(generation_config, lookup_tokens, max_new: int) -> int:
@@ -630,6 +673,18 @@ def _lookup_tokens(generation_config, lookup_tokens, max_new: int) -> int:
     if lookup_tokens < 0:
         raise ValueError(f"lookup_tokens must be >= 0 (0 turns prompt lookup off), got {lookup_tokens}.")
     return min(lookup_tokens, max_new)
+
+
+def _copy_threshold(generation_config, copy_threshold) -> float:
+    if copy_threshold is None:
+        copy_threshold = getattr(generation_config, "copy_threshold", None)
+    if copy_threshold is None:
+        return COPY_THRESHOLD
+    if isinstance(copy_threshold, bool) or not isinstance(copy_threshold, (int, float)) or not 0 <= copy_threshold <= 1:
+        raise ValueError(
+            f"copy_threshold must be a number in [0, 1] (0 turns the n-gram copies off), got {copy_threshold!r}."
+        )
+    return float(copy_threshold)
 
 
 def _check_draft_depth(drafter, policy, k_max: int) -> None:
@@ -722,8 +777,9 @@ class SpeculativeDecoder:
         self.starts = (self.attention_mask == 0).long().sum(dim=1)  # first real token of each (left-padded) row
         self.controller = None
         if options.draft_length == "adaptive":
-            tree_key, k = options.controller_key()
-            self.controller = controller_for(drafter, model, k, tree_key, self.bsz, options.do_sample, self.work)
+            tree_key, k, variant = options.controller_key()
+            self.controller = controller_for(drafter, model, k, tree_key, self.bsz, options.do_sample, self.work,
+                                             variant=variant)  # fmt: skip
             self.controller.begin_call()
         self.copy_outcomes = CopyOutcomes()  # the rows' lookup copies, scored once their text is known
         self.plain_steps = 0
@@ -785,9 +841,8 @@ class SpeculativeDecoder:
             drafter.observe(self.state, prompt)
         stats.add("draft_s", t0)
         self.vocab = raw0.shape[-1]
-        self.selector = _DraftSelector(
-            self.processor, self.seq, self.committed.lengths, self.options.do_sample, self.vocab
-        )
+        self.selector = _DraftSelector(self.processor, self.seq, self.committed.lengths, self.starts,
+                                       self.options.do_sample, self.vocab, self.options.copy_threshold)  # fmt: skip
 
     def _prompt_can_wait(self) -> bool:
         """Whether the drafter's pass over the prompt waits until the adaptive length first drafts: yes when what
@@ -1061,6 +1116,7 @@ def speculative_generate(
     draft_options: dict | None = None,
     draft_length: str | None = None,
     lookup_tokens: int | None = None,
+    copy_threshold: float | None = None,
     grammar_forced_tokens: bool = True,
     spec_streamer=None,
     spec_timing: bool = False,
@@ -1091,6 +1147,11 @@ def speculative_generate(
             drafts that copy instead, up to this many tokens. With the adaptive length, a pass that would be a
             plain step verifies the copies alone where that is measured to pay. Default 10; 0 turns it off. Also
             read from ``generation_config.lookup_tokens``.
+        copy_threshold: at each draft position of a chain where the drafter's top probability is below this, a row
+            drafts the token that followed the latest earlier occurrence of its last 2-3 tokens (committed and
+            drafted) instead, where there is one (:mod:`hf_specdec.generation.ngram`). Default 0.7; 0 turns it off,
+            1 copies wherever there is a match. Also read from ``generation_config.copy_threshold``. Trees draft
+            without it.
         grammar_forced_tokens: with a grammar processor (``hf_specdec.GrammarLogitsProcessor``, or xgrammar's own
             HF processor, which the loop drives), a pass first verifies the tokens the grammar forces (where its
             mask allows one token alone, then the forced text's jump-forward tokens) without asking the drafter.
@@ -1109,7 +1170,7 @@ def speculative_generate(
         raise ValueError("synced_gpus (DeepSpeed ZeRO-3 / FSDP generation) is not supported by hf_specdec yet.")
     options = DecodingOptions.resolve(drafter, generation_config, input_ids.shape[1], num_draft_tokens, verifier,
                                       verifier_options, draft_options, draft_length, lookup_tokens,
-                                      grammar_forced_tokens)  # fmt: skip
+                                      grammar_forced_tokens, copy_threshold)  # fmt: skip
     decoder = SpeculativeDecoder(model, drafter, input_ids, options, generation_config, logits_processor,
                                  stopping_criteria, spec_streamer if spec_streamer is not None else streamer,
                                  spec_timing, model_kwargs)  # fmt: skip

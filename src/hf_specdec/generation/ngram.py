@@ -13,6 +13,13 @@ drafter's chain.
 
 Lossless sampling holds: the copied tokens are a deterministic function of the text before them, so they enter the
 verifier as point masses (``q = one-hot``), and the decision to copy depends only on tokens already drawn.
+
+:func:`continuation_tokens` copies one position at a time, inside the chain: at each draft position where the
+drafter's top probability is below ``copy_threshold`` (:data:`COPY_THRESHOLD` by default), a row drafts the token that
+followed the latest earlier occurrence of its last 3 (else 2) tokens, drafted ones included, and the drafter goes on
+from that token. A copy that :func:`merge_lookup` would take only when the drafter already agrees with it, and that
+follows one occurrence to its end, is taken here token by token wherever the drafter does not know better, and
+finds a new occurrence at every position. Used by the loop's draft selector for every chain drafter.
 """
 
 from __future__ import annotations
@@ -24,10 +31,20 @@ import torch
 from ..types import Proposal
 from .adaptive import batch_progress
 
-__all__ = ["AGREE", "NGRAM_SIZES", "CopyOutcomes", "lookup_continuations", "lookup_proposal", "merge_lookup"]
+__all__ = [
+    "AGREE",
+    "COPY_THRESHOLD",
+    "NGRAM_SIZES",
+    "CopyOutcomes",
+    "continuation_tokens",
+    "lookup_continuations",
+    "lookup_proposal",
+    "merge_lookup",
+]
 
 AGREE = 2  # leading draft tokens that must equal the copy's before a row switches to it
 NGRAM_SIZES = (3, 2)  # n-gram sizes looked up, longest first
+COPY_THRESHOLD = 0.7  # a chain drafts the n-gram copy's token where the drafter's top probability is below this
 
 
 def lookup_continuations(
@@ -69,6 +86,43 @@ def lookup_continuations(
             counts[b] = cont.numel()
             break
     return out.to(seq.device), counts.to(seq.device)
+
+
+def continuation_tokens(
+    seq: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    depth: int,
+    ngram_sizes: tuple[int, ...] = NGRAM_SIZES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the token that followed the latest earlier occurrence of the row's last n tokens (largest n first),
+    where the row's text is its committed text ``seq[b, starts[b]:lengths[b]]`` followed by the ``depth`` tokens
+    drafted after it so far (written to ``seq`` from column ``lengths[b]`` on). The occurrence and the token after it
+    lie in the committed text. Tensor operations over the whole buffer, no host copy (a draft step on an accelerator
+    does not wait for it).
+
+    Returns:
+        ``(tokens, found)``: ``(batch,)`` the continuation tokens (0 where none) and whether each row has one.
+    """
+    bsz, width = seq.shape
+    device = seq.device
+    end = lengths.to(device) + depth  # the row's text ends before column `end`
+    starts = starts.to(device)
+    tokens = torch.zeros(bsz, dtype=seq.dtype, device=device)
+    found = torch.zeros(bsz, dtype=torch.bool, device=device)
+    for n in ngram_sizes:
+        if width <= n:
+            continue
+        query = seq.gather(1, (end[:, None] - n + torch.arange(n, device=device)[None]).clamp_min(0))
+        match = (seq.unfold(1, n, 1) == query[:, None, :]).all(dim=-1)  # window w covers columns w .. w + n - 1
+        w = torch.arange(width - n + 1, device=device)[None]
+        usable = match & (w >= starts[:, None]) & (w + n < lengths.to(device)[:, None])  # its next token committed
+        latest = torch.where(usable, w, -1).amax(dim=1)
+        take = (latest >= 0) & (end - n >= starts) & ~found
+        following = seq.gather(1, (latest + n).clamp(0, width - 1)[:, None])[:, 0]
+        tokens = torch.where(take, following, tokens)
+        found |= take
+    return tokens, found
 
 
 def lookup_proposal(
