@@ -7,6 +7,8 @@
 #                              transformers' assisted generation (the shipped smollm2-assistant) and prompt lookup
 #           smollm2-bench-b4   fp32, greedy, batch 4 (4 prompts per category: one full batch each), 128 new tokens
 #   lane 2: smollm2-bench-t07  fp32, sampling at T = 0.7, batch 1, 128 new tokens: EAGLE-3 chain, adaptive and fixed K
+#           smollm2-bench-copies fp32, greedy, batch 1, 2 prompts per category: the EAGLE-3 chain without and with the
+#                              n-gram copies (--copy-threshold 0 0.7), adaptive and fixed K, in one run
 #           smollm2-bench-bf16 the target in bf16 (the dtype users run), greedy and T = 0.7, batch 1, 128 new tokens:
 #                              bf16 plain and the EAGLE-3 chain, 1 prompt per category (at batch 1 on this CPU a bf16
 #                              step is about 3x slower than an fp32 one: with 3 prompts and the peers the lane took over
@@ -15,7 +17,7 @@
 # Every run repeats 3 times (the bench default) and reports each speedup's median, 95 % interval and verdict.
 # `bench` packs the fp32 target's linear weights for MKL (the default, --linear-kernels packed; the reports' config
 # says so). Earlier runs are kept under other stems (smollm2-bench*-grown30, *-stock; README's figures table).
-# About 40-60 minutes on a 2-core VM (lane 1 37-56 minutes, lane 2 25-38 at the last runs). Outputs: model_cards/results/smollm2-bench*.{json,md,png}.
+# About 40-70 minutes on a 2-core VM (lane 1 37-56 minutes, lane 2 25-38 at the last runs before the copies row). Outputs: model_cards/results/smollm2-bench*.{json,md,png}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-model_cards/results}
@@ -28,6 +30,8 @@ lane1() {
 }
 lane2() {
     hf-specdec bench "${COMMON[@]}" --temperature 0.7 --no-peers --draft-length adaptive fixed --stem smollm2-bench-t07
+    hf-specdec bench "${COMMON[@]}" --max-prompts 2 --no-peers --draft-length adaptive fixed --copy-threshold 0 0.7 \
+        --stem smollm2-bench-copies
     hf-specdec bench "${COMMON[@]}" --max-prompts 1 --dtype bfloat16 --temperature 0 0.7 --no-peers \
         --stem smollm2-bench-bf16
 }

@@ -9,11 +9,18 @@ import torch
 from hf_specdec.testing import ARCHS, BOS, EOS, PAD, VOCAB, make_oracle_drafter, ragged_batch, tiny_target
 
 make_target = tiny_target
-__all__ = ["ARCHS", "BOS", "EOS", "PAD", "VOCAB", "make_target", "ragged_batch", "make_oracle"]
+__all__ = ["ARCHS", "BOS", "EOS", "PAD", "VOCAB", "make_target", "ragged_batch", "make_oracle", "repetitive_prompt"]
 
 
 def make_oracle(target, continuation, corruption=0.0, seed=0, num_draft_tokens=4):
     return make_oracle_drafter(target, continuation, corruption, seed, num_draft_tokens)
+
+
+def repetitive_prompt(batch):
+    """A ragged batch whose second half repeats text seen before (something for n-gram copies to find)."""
+    ids, mask = ragged_batch(batch, length=24)
+    ids[:, 12:] = ids[:, 6:18].clone()
+    return ids, mask
 
 
 def char_tokenizer():
@@ -32,8 +39,8 @@ def char_tokenizer():
 
 
 # A character-level chat tokenizer (ChatML template); ids 0..5 line up with tiny_target's PAD 0 / EOS 5.
-# Fixed draft length, no prompt-lookup merge and no n-gram copies: for tests of what the drafter itself proposes, pass by pass.
-FIXED_K = dict(draft_length="fixed", lookup_tokens=0, copy_threshold=0)
+# Fixed draft length and no prompt-lookup merge: for tests of what the drafter itself proposes, pass by pass.
+FIXED_K = dict(draft_length="fixed", lookup_tokens=0)
 
 CHAT_SPECIALS = ["<pad>", "<s>", "<unk>", "<|im_start|>", "<|im_end|>", "</s>"]  # ids 0..5 (tiny_target: PAD 0, EOS 5)
 CHAT_CHARS = string.ascii_letters + string.digits + " \n.,:!?'"

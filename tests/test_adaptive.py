@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_oracle, make_target, ragged_batch
+from helpers import make_oracle, make_target, ragged_batch, repetitive_prompt
 
 from hf_specdec import AutoModelForDrafting, Eagle3Config
 from hf_specdec.generation import adaptive
@@ -500,11 +500,9 @@ class _DraftOrCopy(DraftLengthController):
 def test_copies_go_first_and_keep_greedy_identity(monkeypatch, batch):
     """Copies before the drafter's chain: at batch 1 a pass with a match verifies the copy alone (nothing drafted),
     one without drafts; at batch 3 rows with a copy take it whatever the chain drafted, rows without draft."""
-    from test_lookup_merge import _repetitive_prompt
-
     monkeypatch.setattr(adaptive, "DraftLengthController", _DraftOrCopy)
     target = make_target("llama", sharpen=3.0)
-    ids, mask = _repetitive_prompt(batch)
+    ids, mask = repetitive_prompt(batch)
     ref = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None)
     torch.manual_seed(0)
     drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3)).eval()
@@ -535,11 +533,9 @@ def test_the_lookup_must_beat_the_chosen_length_not_only_a_plain_step():
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_lookup_passes_in_place_of_plain_steps_keep_greedy_identity(monkeypatch, arch, batch):
-    from test_lookup_merge import _repetitive_prompt
-
     monkeypatch.setattr(adaptive, "DraftLengthController", _PlainThenLookup)
     target = make_target(arch, sharpen=3.0)
-    ids, mask = _repetitive_prompt(batch)
+    ids, mask = repetitive_prompt(batch)
     ref = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None)
     torch.manual_seed(0)
     drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3)).eval()
@@ -578,12 +574,10 @@ class _RecordingDeclines(_Recording, DraftLengthController):
 
 
 def _generate_with(monkeypatch, controller, batch=1):
-    from test_lookup_merge import _repetitive_prompt
-
     monkeypatch.setattr(adaptive, "DraftLengthController", controller)
     controller.outcomes = []
     target = make_target("llama", sharpen=3.0)
-    ids, mask = _repetitive_prompt(batch)
+    ids, mask = repetitive_prompt(batch)
     torch.manual_seed(0)
     drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3)).eval()
     out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=40, do_sample=False,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_oracle, make_target, ragged_batch
+from helpers import make_oracle, make_target, ragged_batch, repetitive_prompt
 
 from hf_specdec import AutoModelForDrafting, Eagle3Config
 from hf_specdec.generation.logits import ScoreProcessor
@@ -106,18 +106,12 @@ def test_copied_tokens_are_point_masses_when_sampling_and_processors_can_rule_th
     assert probs[1, 4].item() == 0.0 and probs[1].max().item() < 1.0  # row 1 kept its own draw and q
 
 
-def _repetitive_prompt(batch):
-    ids, mask = ragged_batch(batch, length=24)
-    ids[:, 12:] = ids[:, 6:18].clone()  # the second half repeats text seen before
-    return ids, mask
-
-
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_identity_with_copies_everywhere(batch):
     """Copies wherever there is a match (threshold 1) and an oracle drafter wrong half the time: the output is plain
     greedy decoding's."""
     target = make_target("llama", sharpen=3.0)
-    ids, mask = _repetitive_prompt(batch)
+    ids, mask = repetitive_prompt(batch)
     ref = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
     drafter = make_oracle(target, ref[:, ids.shape[1] :], corruption=0.5, seed=1, num_draft_tokens=3)
     for threshold in (1.0, 0.7):
@@ -142,6 +136,10 @@ def test_copies_lift_an_unsure_drafter_on_repetitive_text():
         committed[threshold] = out.accepted_lengths[0]  # tokens each pass committed
     assert max(committed[0.0]) == 1  # the fresh drafter alone is never right
     assert max(committed[1.0]) == 4 and len(committed[1.0]) < len(committed[0.0]), committed
+    # Without prompt lookup the copies are off unless asked for (lookup_tokens=0: no copying from the text).
+    alone = target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False, draft_length="fixed",
+                            lookup_tokens=0, return_dict_in_generate=True)  # fmt: skip
+    assert alone.accepted_lengths[0] == committed[0.0]
 
 
 @pytest.mark.parametrize("value", [-0.1, 1.5, True, "high"])

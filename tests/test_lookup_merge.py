@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_oracle, make_target, ragged_batch
+from helpers import make_oracle, make_target, ragged_batch, repetitive_prompt
 
 from hf_specdec import AutoModelForDrafting, Eagle3Config, Proposal
 from hf_specdec.generation.ngram import CopyOutcomes, lookup_continuations, merge_lookup
@@ -147,16 +147,10 @@ def test_merged_copies_are_point_masses_and_drawn_tokens_keep_their_law():
     assert merged.draft_probs[0, 3].argmax().item() == 10 and merged.draft_probs[0, 3].max().item() == 1.0
 
 
-def _repetitive_prompt(batch):
-    ids, mask = ragged_batch(batch, length=24)
-    ids[:, 12:] = ids[:, 6:18].clone()  # the second half repeats text seen before
-    return ids, mask
-
-
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_identity_with_lookup(batch):
     target = make_target("llama", sharpen=3.0)
-    ids, mask = _repetitive_prompt(batch)
+    ids, mask = repetitive_prompt(batch)
     ref = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
     cont = ref[:, ids.shape[1] :]
     # An oracle drafter that is right about half the time (it then agrees with a copy when the copy is right).

@@ -405,6 +405,27 @@ def add_parsers(sub) -> None:
     _add_asd_tune_parser(sub)
 
 
+def _add_copy_flags(p) -> None:
+    """The chain's copying from the text: prompt lookup merged into chains, and the n-gram copies inside them."""
+    p.add_argument(
+        "--lookup-tokens",
+        type=int,
+        nargs="+",
+        default=None,
+        help="lengths of the prompt-lookup copies merged into drafted chains to measure (default: the loop's, 10; "
+        "0: off)",
+    )
+    p.add_argument(
+        "--copy-threshold",
+        type=float,
+        nargs="+",
+        default=None,
+        help="n-gram copy thresholds to measure: a chain drafts the token that followed the text's latest matching "
+        "2-3 tokens where the drafter's top probability is at most it (default: the loop's, 0.7, or 0 with "
+        "--lookup-tokens 0; 0: off)",
+    )
+
+
 def _add_grammar_flags(p) -> None:
     """``--task json``'s options: forced tokens on / off, and a fixed JSON layout."""
     p.add_argument(
@@ -448,22 +469,7 @@ def _add_bench_parser(sub) -> None:
         help="draft-length modes to measure (default: the loop's, adaptive): adaptive picks 0..K per pass from "
         "measured acceptance and costs; fixed always drafts K",
     )
-    p.add_argument(
-        "--lookup-tokens",
-        type=int,
-        nargs="+",
-        default=None,
-        help="lengths of the prompt-lookup copies merged into drafted chains to measure (default: the loop's, 10; "
-        "0: off)",
-    )
-    p.add_argument(
-        "--copy-threshold",
-        type=float,
-        nargs="+",
-        default=None,
-        help="n-gram copy thresholds to measure: a chain drafts the token that followed the text's latest matching "
-        "2-3 tokens where the drafter's top probability is below it (default: the loop's, 0.7; 0: off)",
-    )
+    _add_copy_flags(p)
     _add_grammar_flags(p)
     p.add_argument("--verifier", nargs="+", default=None, help="also measure these verifiers (e.g. asd, typical)")
     _add_verifier_flags(p)

@@ -62,7 +62,7 @@ _TREE_ATTENTION = ("sdpa", "eager")
 class _DraftSelector:
     """Token selection for chain drafters: same logits processors and decoding mode as the verifier.
 
-    With ``copy_threshold`` > 0, a draft position where the drafter's top probability is below it drafts the token
+    With ``copy_threshold`` > 0, a draft position where the drafter's top probability is at most that drafts the token
     that followed the latest earlier occurrence of the text's last 2-3 tokens instead, where there is one
     (:func:`~hf_specdec.generation.ngram.continuation_tokens`; the drafted tokens count as text). The choice is a
     function of the text and the drafter's distribution, so a copied token enters the verifier as a point mass
@@ -108,7 +108,7 @@ class _DraftSelector:
         return scores.argmax(dim=-1), None, scores
 
     def _copy_where_unsure(self, tokens, probs, scores, depth: int):
-        """The rows whose drafter is unsure (top probability below ``copy_threshold``) and whose text has an n-gram
+        """The rows whose drafter is unsure (top probability at most ``copy_threshold``) and whose text has an n-gram
         continuation draft that token instead, as a point mass."""
         copy, found = continuation_tokens(self.seq, self.starts, self.lengths, depth)
         top = torch.softmax(scores, dim=-1).amax(dim=-1)
@@ -601,7 +601,7 @@ class DecodingOptions:
         tree_kwargs / policy: the tree options and their policy (``None``: chains).
         draft_length: ``"adaptive"`` or ``"fixed"``.
         lookup_tokens: longest prompt-lookup copy merged into chains (0: off; always 0 with trees).
-        copy_threshold: a chain drafts the n-gram copy's token where the drafter's top probability is below this
+        copy_threshold: a chain drafts the n-gram copy's token where the drafter's top probability is at most this
             (0: off; chains only).
         forced_tokens: whether chains verify the tokens a grammar processor forces before asking the drafter.
         width_max / depth_max: most draft nodes in a pass / most tokens a pass can accept.
@@ -642,6 +642,7 @@ class DecodingOptions:
         tree_kwargs = {k: draft_options.pop(k) for k in TREE_OPTIONS if k in draft_options}
         policy = _tree_policy_for(drafter, tree_kwargs)
         lookup_tokens = _lookup_tokens(generation_config, lookup_tokens, max_new)
+        copy_threshold = _copy_threshold(generation_config, copy_threshold, lookup_tokens)
         k_max = min(k_max, max_new)  # no pass commits more tokens than are left
         _check_draft_depth(drafter, policy, k_max)
         if policy is not None:
@@ -650,7 +651,7 @@ class DecodingOptions:
         return cls(
             k_max=k_max, do_sample=do_sample, verifier=get_verifier(verifier, do_sample, **verifier_options),
             draft_options=draft_options, tree_kwargs=tree_kwargs, policy=policy, draft_length=draft_length,
-            lookup_tokens=lookup_tokens, copy_threshold=_copy_threshold(generation_config, copy_threshold),
+            lookup_tokens=lookup_tokens, copy_threshold=copy_threshold,
             forced_tokens=bool(forced_tokens), width_max=width_max,
             depth_max=policy.max_depth if policy is not None else width_max, max_length=max_length, max_new=max_new,
         )  # fmt: skip
@@ -658,11 +659,12 @@ class DecodingOptions:
     def controller_key(self):
         """What the adaptive length keys its memory on, besides the target, batch size, mode and device:
         ``(tree key, k, variant)``. The variant is ``(("copy_threshold", value),)`` for chains whose n-gram copies'
-        threshold is not the default (``()`` otherwise): the copies change what every draft depth accepts, so calls
+        threshold is not the call's default (``()`` otherwise): the copies change what every draft depth accepts, so calls
         that differ in it learn apart (a benchmark's rows, say)."""
         if self.policy is not None:
             return tuple(sorted((k, repr(v)) for k, v in self.tree_kwargs.items())), self.width_max, ()
-        variant = () if self.copy_threshold == COPY_THRESHOLD else (("copy_threshold", self.copy_threshold),)
+        default = _default_copy_threshold(self.lookup_tokens)
+        variant = () if self.copy_threshold == default else (("copy_threshold", self.copy_threshold),)
         return None, self.k_max, variant
 
 
@@ -675,11 +677,17 @@ def _lookup_tokens(generation_config, lookup_tokens, max_new: int) -> int:
     return min(lookup_tokens, max_new)
 
 
-def _copy_threshold(generation_config, copy_threshold) -> float:
+def _default_copy_threshold(lookup_tokens: int) -> float:
+    """The n-gram copies inside the chain are on by default wherever prompt lookup is: ``lookup_tokens=0`` means no
+    copying from the text unless ``copy_threshold`` asks for it."""
+    return COPY_THRESHOLD if lookup_tokens > 0 else 0.0
+
+
+def _copy_threshold(generation_config, copy_threshold, lookup_tokens: int) -> float:
     if copy_threshold is None:
         copy_threshold = getattr(generation_config, "copy_threshold", None)
     if copy_threshold is None:
-        return COPY_THRESHOLD
+        return _default_copy_threshold(lookup_tokens)
     if isinstance(copy_threshold, bool) or not isinstance(copy_threshold, (int, float)) or not 0 <= copy_threshold <= 1:
         raise ValueError(
             f"copy_threshold must be a number in [0, 1] (0 turns the n-gram copies off), got {copy_threshold!r}."
@@ -1147,10 +1155,11 @@ def speculative_generate(
             drafts that copy instead, up to this many tokens. With the adaptive length, a pass that would be a
             plain step verifies the copies alone where that is measured to pay. Default 10; 0 turns it off. Also
             read from ``generation_config.lookup_tokens``.
-        copy_threshold: at each draft position of a chain where the drafter's top probability is below this, a row
+        copy_threshold: at each draft position of a chain where the drafter's top probability is at most this, a row
             drafts the token that followed the latest earlier occurrence of its last 2-3 tokens (committed and
-            drafted) instead, where there is one (:mod:`hf_specdec.generation.ngram`). Default 0.7; 0 turns it off,
-            1 copies wherever there is a match. Also read from ``generation_config.copy_threshold``. Trees draft
+            drafted) instead, where there is one (:mod:`hf_specdec.generation.ngram`). Default 0.7, or 0 with
+            ``lookup_tokens=0`` (no copying from the text unless asked); 0 turns it off, 1 copies wherever there is
+            a match. Also read from ``generation_config.copy_threshold``. Trees draft
             without it.
         grammar_forced_tokens: with a grammar processor (``hf_specdec.GrammarLogitsProcessor``, or xgrammar's own
             HF processor, which the loop drives), a pass first verifies the tokens the grammar forces (where its

@@ -15,7 +15,7 @@ Lossless sampling holds: the copied tokens are a deterministic function of the t
 verifier as point masses (``q = one-hot``), and the decision to copy depends only on tokens already drawn.
 
 :func:`continuation_tokens` copies one position at a time, inside the chain: at each draft position where the
-drafter's top probability is below ``copy_threshold`` (:data:`COPY_THRESHOLD` by default), a row drafts the token that
+drafter's top probability is at most ``copy_threshold`` (:data:`COPY_THRESHOLD` by default), a row drafts the token that
 followed the latest earlier occurrence of its last 3 (else 2) tokens, drafted ones included, and the drafter goes on
 from that token. A copy that :func:`merge_lookup` would take only when the drafter already agrees with it, and that
 follows one occurrence to its end, is taken here token by token wherever the drafter does not know better, and
@@ -44,7 +44,7 @@ __all__ = [
 
 AGREE = 2  # leading draft tokens that must equal the copy's before a row switches to it
 NGRAM_SIZES = (3, 2)  # n-gram sizes looked up, longest first
-COPY_THRESHOLD = 0.7  # a chain drafts the n-gram copy's token where the drafter's top probability is below this
+COPY_THRESHOLD = 0.7  # a chain drafts the n-gram copy's token where the drafter's top probability is at most this
 
 
 def lookup_continuations(
