@@ -15,9 +15,9 @@ Lossless sampling holds: the copied tokens are a deterministic function of the t
 verifier as point masses (``q = one-hot``), and the decision to copy depends only on tokens already drawn.
 
 :func:`continuation_tokens` copies one position at a time, inside the chain: at each draft position where the
-drafter's top probability is at most ``copy_threshold`` (:data:`COPY_THRESHOLD` by default), a row drafts the token that
-followed the latest earlier occurrence of its last 3 (else 2) tokens, drafted ones included, and the drafter goes on
-from that token. A copy that :func:`merge_lookup` would take only when the drafter already agrees with it, and that
+drafter's top probability is at most ``copy_threshold`` (:data:`COPY_THRESHOLD` by default where prompt lookup is on),
+a row drafts the token that followed the latest earlier occurrence of its last 3 (else 2) tokens, drafted ones
+included, and the drafter goes on from that token. A copy that :func:`merge_lookup` would take only when the drafter already agrees with it, and that
 follows one occurrence to its end, is taken here token by token wherever the drafter does not know better, and
 finds a new occurrence at every position. Used by the loop's draft selector for every chain drafter.
 """
