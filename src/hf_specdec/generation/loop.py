@@ -111,7 +111,7 @@ class _DraftSelector:
         """The rows whose drafter is unsure (top probability at most ``copy_threshold``) and whose text has an n-gram
         continuation draft that token instead, as a point mass."""
         copy, found = continuation_tokens(self.seq, self.starts, self.lengths, depth)
-        top = torch.softmax(scores, dim=-1).amax(dim=-1)
+        top = (probs if probs is not None else torch.softmax(scores, dim=-1)).amax(dim=-1)  # sampling: q is known
         use = found & (top <= self.copy_threshold)
         if scores.shape[-1] == self.vocab_size:  # a copy the processors rule out would only be rejected
             use &= scores.gather(1, copy[:, None])[:, 0] > float("-inf")
