@@ -1,13 +1,17 @@
 #!/usr/bin/env python
-"""What packing the target's linear weights for MKL gives speculative decoding, measured in one interleaved run.
+"""What packing the target's linear weights for oneDNN gives speculative decoding, measured in one interleaved run.
 
 ``hf-specdec demo`` and ``bench`` pack an fp32 CPU target's linear weights by default
-(:func:`hf_specdec.pack_linear_weights`): passes over 2-64 tokens get cheaper, one-token steps do not change. Two
-demo runs, one packed and one not, differ by more than that from the machine's noise alone, so this script measures
-both in the same run: the target as it is (plain ``generate`` and the packaged drafter, adaptive length) and a
-second copy of it with packed weights (its own plain row, which greedy outputs are checked against, and the drafter
-again), every row timed prompt by prompt against the stock plain ``generate``. The packed plain row shows that the
-baseline itself does not move; the packed drafter row is what a user of the demo gets.
+(:func:`hf_specdec.pack_linear_weights`): passes over a few tokens get much cheaper, and so may one-token steps (on a
+2-core AMD VM at two threads; at one thread they cost what they did). Two demo runs, one packed and one not, differ
+by more than that from the machine's noise alone, so this script measures both in the same run: the target as it is
+(plain ``generate`` and the packaged drafter, adaptive length) and a second copy of it with packed weights (its own
+plain row, which greedy outputs are checked against, and the drafter again), every row timed prompt by prompt
+against the stock plain ``generate``. The packed plain row shows what packing does to plain decoding itself; the
+packed drafter row over it is the drafter's own speedup, what ``demo`` and ``bench`` report.
+
+(The files from before the oneDNN packing, ``{smollm2,demo-code}-linear-kernels``, packed the weights for MKL and
+computed one-token steps with the stock kernel.)
 
 Usage::
 

@@ -20,12 +20,12 @@ shows what a pass would cost with each (a diagnostic)::
     python scripts/smollm2_pass_cost.py --dtypes float32 --layouts stock weight-first \
         --results model_cards/results/smollm2-pass-cost-layouts
 
-``--layouts packed`` times the target with its weights packed for MKL once
+``--layouts packed`` times the target with its weights packed for oneDNN once
 (:func:`hf_specdec.cpu_kernels.pack_linear_weights`, what ``hf-specdec demo`` and ``bench`` do for an fp32 target
-on a CPU)::
+on a CPU; ``smollm2-pass-cost-packed`` is the same command from before, when the weights were packed for MKL)::
 
     python scripts/smollm2_pass_cost.py --dtypes float32 --layouts stock packed \
-        --results model_cards/results/smollm2-pass-cost-packed
+        --results model_cards/results/smollm2-pass-cost-onednn
 """
 
 from __future__ import annotations

@@ -1,19 +1,20 @@
-"""Cheaper verification passes on CPUs: a target's fp32 linear layers computed with pre-packed MKL weights.
+"""Cheaper passes on CPUs: a target's fp32 linear layers computed with weights packed once for oneDNN.
 
 A verification pass runs the target over a few new tokens (K + 1 for a chain of K, a few more for a tree). On x86
-CPUs, PyTorch computes ``F.linear`` over one row with a matrix-vector kernel that streams the weight once, but over
-2–64 rows with MKL's general ``sgemm``, which re-packs the whole weight on every call: on a 2-core VM a
-SmolLM2-135M pass over 6 tokens costs about 1.57 one-token steps that way and about 1.45 with the weights packed
-once, a pass over 11 tokens 2.3 and 1.7 (``scripts/smollm2_pass_cost.py --layouts stock packed``). Speculative
+CPUs, PyTorch computes ``F.linear`` over 2–64 rows with MKL's general ``sgemm``, which re-packs the whole weight on
+every call, and over one row with a matrix-vector kernel that does not use a second thread. On a 2-core AMD EPYC VM
+a SmolLM2-135M pass over 6 tokens costs about 1.5–1.8 one-token steps that way; with every weight packed once for
+oneDNN it costs what a one-token step costs (``scripts/smollm2_pass_cost.py --layouts stock packed``). Speculative
 decoding pays only when a pass costs little more than a step, so that price decides whether a drafter pays on a CPU.
 
-:func:`pack_linear_weights` packs each fp32 ``nn.Linear`` weight of a model once, in MKL's internal layout
-(``torch.ops.mkl._mkl_reorder_linear_weight``, what ``torch.compile``'s CPU freezing does), and computes passes over
-2 to ``max_rows`` rows with ``torch.ops.mkl._mkl_linear``. A one-row step, a pass over more rows, any call that needs
-gradients, and a layer whose weight was changed or replaced after packing all run the stock ``F.linear``: plain
-decoding's one-token steps are the stock model's, bit for bit, and training never sees a stale copy. Packed and
-stock results differ in the last bits, as any two BLAS kernels do; greedy speculative decoding on a packed target is
-token-identical to plain decoding on the same packed target (``tests/test_cpu_kernels.py``).
+:func:`pack_linear_weights` packs each fp32 ``nn.Linear`` weight of a model once, in oneDNN's blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``), and computes every call over 1 to ``max_rows`` rows with
+``torch.ops.mkldnn._linear_pointwise``: the one-token steps of plain decoding too, so that plain and speculative
+decoding on a packed target run the same kernels and a speedup measured between them is the drafter's alone. A pass
+over more rows (a prompt's prefill), any call that needs gradients, and a layer whose weight was changed or replaced
+after packing run the stock ``F.linear``, so training never sees a stale copy. Packed and stock results differ in
+the last bits, as any two BLAS kernels do; greedy speculative decoding on a packed target is token-identical to
+plain decoding on the same packed target (``tests/test_cpu_kernels.py``).
 
 The packed copies take as much memory as the weights they copy (a tied embedding / LM head is copied once).
 """
@@ -26,12 +27,16 @@ import torch
 import torch.nn.functional as F
 
 DEFAULT_MAX_ROWS = 64
-PACKING_ROWS_HINT = 24  # the rows MKL lays the packed weight out for; measured best or level from 2 to 64 rows
+PACKING_ROWS_HINT = 6  # the rows oneDNN lays the packed weight out for; level from 1 to 64 rows
 
 
 def packed_linears_supported() -> bool:
-    """Whether this PyTorch build has MKL's packed fp32 linear kernels (x86 builds do)."""
-    return bool(torch.backends.mkl.is_available()) and hasattr(torch.ops.mkl, "_mkl_linear")
+    """Whether this PyTorch build has oneDNN's packed fp32 linear kernels (x86 builds do)."""
+    return (
+        bool(torch.backends.mkldnn.is_available())
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 def _packable(module: torch.nn.Module) -> bool:
@@ -49,12 +54,9 @@ def _packable(module: torch.nn.Module) -> bool:
 def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     state = self._hf_specdec_packed
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows < 2 or rows > state.max_rows or not state.current(self.weight, x):
+    if rows < 1 or rows > state.max_rows or not state.current(self.weight, x):
         return F.linear(x, self.weight, self.bias)
-    out = torch.ops.mkl._mkl_linear(
-        x.reshape(rows, x.shape[-1]).contiguous(), state.packed, self.weight, self.bias, rows
-    )
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), state.packed, self.bias, "none", [], "")
 
 
 class _PackedWeight:
@@ -66,7 +68,7 @@ class _PackedWeight:
         self.storage = weight.data_ptr()
         self.max_rows = max_rows
         with torch.no_grad():
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), PACKING_ROWS_HINT)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACKING_ROWS_HINT)
 
     def current(self, weight: torch.Tensor, x: torch.Tensor) -> bool:
         """Whether the packed copy may compute this call: the same weight, unchanged (not written in place, its
@@ -106,7 +108,7 @@ class PackedLinears:
 
 
 def pack_linear_weights(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> PackedLinears:
-    """Compute ``model``'s fp32 CPU ``nn.Linear`` layers over 2 to ``max_rows`` rows with pre-packed MKL weights.
+    """Compute ``model``'s fp32 CPU ``nn.Linear`` layers over 1 to ``max_rows`` rows with pre-packed oneDNN weights.
 
     Layers that are not plain ``nn.Linear`` (quantized or adapter layers; a PEFT LoRA layer's base layer is packed),
     not fp32, not on the CPU, or whose forward accelerate or someone else already replaced are left alone. Use it on
@@ -116,17 +118,17 @@ def pack_linear_weights(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS
         A :class:`PackedLinears` handle (a context manager) that undoes the change.
 
     Raises:
-        RuntimeError: this PyTorch build has no MKL packed kernels (:func:`packed_linears_supported`), or the packed
+        RuntimeError: this PyTorch build has no oneDNN packed kernels (:func:`packed_linears_supported`), or the packed
             kernel disagrees with ``F.linear`` on this machine (checked once on a layer of the model).
-        ValueError: ``max_rows`` below 2.
+        ValueError: ``max_rows`` below 1.
     """
     if not packed_linears_supported():
         raise RuntimeError(
-            "this PyTorch build has no MKL packed linear kernels (torch.ops.mkl._mkl_linear); leave the target's "
-            "layers as they are (an x86 build of torch has them)."
+            "this PyTorch build has no oneDNN packed linear kernels (torch.ops.mkldnn._linear_pointwise); leave the "
+            "target's layers as they are (an x86 build of torch has them)."
         )
-    if int(max_rows) < 2:
-        raise ValueError(f"max_rows must be at least 2 (one-row steps always run the stock kernel), got {max_rows}.")
+    if int(max_rows) < 1:
+        raise ValueError(f"max_rows must be at least 1, got {max_rows}.")
     modules = [m for m in model.modules() if _packable(m)]
     for module in modules:
         module._hf_specdec_packed = _PackedWeight(module.weight, int(max_rows))
@@ -153,15 +155,15 @@ def linear_kernels_for(model: torch.nn.Module, kernels: str) -> PackedLinears:
 
 @torch.no_grad()
 def _check_against_stock(module: torch.nn.Module, handle: PackedLinears) -> None:
-    """Refuse a packed kernel that computes something else than ``F.linear`` (over 2, 5 and ``max_rows`` rows)."""
+    """Refuse a packed kernel that computes something else than ``F.linear`` (over 1, 5 and ``max_rows`` rows)."""
     generator = torch.Generator().manual_seed(0)
-    for rows in sorted({2, 5, module._hf_specdec_packed.max_rows}):
+    for rows in sorted({1, 5, module._hf_specdec_packed.max_rows}):
         x = torch.randn(rows, module.in_features, generator=generator)
         expected = F.linear(x, module.weight, module.bias)
         scale = float(expected.abs().max()) or 1.0
         if not torch.allclose(module(x), expected, rtol=0, atol=1e-4 * scale):
             handle.restore()
             raise RuntimeError(
-                f"MKL's packed linear kernel disagrees with F.linear over {rows} rows on this machine; leave the "
+                f"oneDNN's packed linear kernel disagrees with F.linear over {rows} rows on this machine; leave the "
                 "target's layers as they are and report your torch version and CPU."
             )

@@ -315,7 +315,7 @@ def run_demo(
     ``dtype`` is the target's (``"float32"``, where greedy outputs must be identical, or ``"bfloat16"`` /
     ``"float16"``, where they may differ from plain decoding at classified near-ties only: ``identical_up_to_near_ties``).
     ``linear_kernels`` is :func:`~hf_specdec.bench.runner.run_benchmark`'s (``"packed"``: an fp32 target's CPU
-    linear layers use MKL-packed weights for multi-token passes during the timed runs, plain and speculative alike).
+    linear layers use oneDNN-packed weights during the timed runs, plain and speculative alike).
 
     Prints a table (and the per-category table when the prompts have several categories) and an example output,
     writes ``demo_report.json`` and ``demo_report.png`` to ``out_dir`` and returns the summary: ``target``,

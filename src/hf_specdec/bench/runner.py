@@ -471,8 +471,8 @@ def run_benchmark(
         schema_options: xgrammar's options for compiling them (e.g. ``{"any_whitespace": False, "indent": 2}``: a
             fixed layout, whose newlines, indentation and keys the grammar then forces); recorded in the config.
         linear_kernels: ``"packed"`` (default): for the run, the target's fp32 CPU linear layers compute passes over
-            2–64 rows with pre-packed MKL weights, for every method alike (:mod:`hf_specdec.cpu_kernels`; one-row
-            steps are unchanged); ``"stock"``: the target as it is. The config records which, and how many layers.
+            1–64 rows with pre-packed oneDNN weights, for every method alike (:mod:`hf_specdec.cpu_kernels`: plain
+            decoding's one-token steps too); ``"stock"``: the target as it is. The config records which, and how many layers.
     """
     _check_arguments(prompts, methods, max_new_tokens, repeats, warmup, batch_sizes, temperatures)
     with linear_kernels_for(target, linear_kernels) as packed:

@@ -35,9 +35,9 @@ def add_linear_kernels_flag(p) -> None:
         "--linear-kernels",
         choices=["packed", "stock"],
         default="packed",
-        help="packed (default): the target's fp32 CPU linear layers compute passes over 2-64 tokens with weights "
-        "packed once for MKL, for plain and speculative runs alike (one-token steps unchanged; a pass costs less); "
-        "stock: the layers as they are",
+        help="packed (default): the target's fp32 CPU linear layers compute passes over 1-64 tokens with weights "
+        "packed once for oneDNN, for plain and speculative runs alike (a pass over a few tokens then costs about "
+        "what a one-token step costs); stock: the layers as they are",
     )
 
 
