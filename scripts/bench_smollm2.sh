@@ -16,7 +16,8 @@
 #                              differences
 # Every run repeats 3 times (the bench default) and reports each speedup's median, 95 % interval and verdict.
 # `bench` packs the fp32 target's linear weights for oneDNN (the default, --linear-kernels packed; the reports'
-# config says so; the runs with MKL-packed weights before it are kept as smollm2-bench*-mkl). Earlier runs are kept under other stems (smollm2-bench*-grown30, *-stock; README's figures table).
+# config says so). The runs with MKL-packed weights before it are kept as smollm2-bench*-mkl, earlier runs under
+# other stems (smollm2-bench*-grown30, *-stock; README's figures table).
 # About 40-70 minutes on a 2-core VM (lane 1 37-56 minutes, lane 2 25-38 at the last runs before the copies row). Outputs: model_cards/results/smollm2-bench*.{json,md,png}.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """The n-gram copies' threshold (``copy_threshold``) for a SmolLM2 drafter, teacher-forced: simulated τ of K = 5
-chains, passed over each answer as the live loop passes over it (:func:`walk`), where each draft position whose drafter's top probability is at or below the threshold drafts the loop's
-n-gram copy (:func:`hf_specdec.generation.ngram.continuation_tokens`) instead of the drafter's token.
+chains, passed over each answer as the live loop passes over it (:func:`walk`), where each draft position whose
+drafter's top probability is at or below the threshold drafts the loop's n-gram copy
+(:func:`hf_specdec.generation.ngram.continuation_tokens`) instead of the drafter's token.
 
 The answers are those of ``smollm2_specbench_score.py`` (the bf16 target's greedy answers to the first
 ``--per-category`` Spec-Bench prompts per category, features dumped when missing, in ``--work``), less the first
@@ -84,8 +85,9 @@ def committed_per_anchor(ids, steps, hints, threshold: float) -> torch.Tensor:
 def walk(committed: torch.Tensor, scored: torch.Tensor) -> tuple[int, int]:
     """``(passes, tokens)`` of the live loop over the answer: a pass at the answer's first anchor, each next pass at
     the anchor after the tokens the last one committed. Averaging the chains of every anchor instead would count a
-    copyable stretch once per position in it, where the loop passes over it in a few long passes: with the copies
-    that overstates τ by a third (it does not for a drafter alone)."""
+    copyable stretch once per position in it, where the loop passes over it in a few long passes: on Spec-Bench that
+    average overstated τ with the copies by a quarter (2.94 against 2.37), the drafter alone by 9 % (1.98 against
+    1.82)."""
     anchors = scored.nonzero()[:, 0].tolist()
     if not anchors:
         return 0, 0

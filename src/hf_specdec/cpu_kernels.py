@@ -3,9 +3,10 @@
 A verification pass runs the target over a few new tokens (K + 1 for a chain of K, a few more for a tree). On x86
 CPUs, PyTorch computes ``F.linear`` over 2–64 rows with MKL's general ``sgemm``, which re-packs the whole weight on
 every call, and over one row with a matrix-vector kernel that does not use a second thread. On a 2-core AMD EPYC VM
-a SmolLM2-135M pass over 6 tokens costs about 1.5–1.8 one-token steps that way; with every weight packed once for
-oneDNN it costs what a one-token step costs (``scripts/smollm2_pass_cost.py --layouts stock packed``). Speculative
-decoding pays only when a pass costs little more than a step, so that price decides whether a drafter pays on a CPU.
+a SmolLM2-135M pass over 6 tokens costs about 1.4–1.7 one-token steps that way, and as much with the weights packed
+once for MKL; packed once for oneDNN it costs what a one-token step costs (``scripts/smollm2_pass_cost.py --layouts
+stock packed``). Speculative decoding pays only when a pass costs little more than a step, so that price decides
+whether a drafter pays on a CPU.
 
 :func:`pack_linear_weights` packs each fp32 ``nn.Linear`` weight of a model once, in oneDNN's blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``), and computes every call over 1 to ``max_rows`` rows with

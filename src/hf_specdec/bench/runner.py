@@ -472,7 +472,8 @@ def run_benchmark(
             fixed layout, whose newlines, indentation and keys the grammar then forces); recorded in the config.
         linear_kernels: ``"packed"`` (default): for the run, the target's fp32 CPU linear layers compute passes over
             1–64 rows with pre-packed oneDNN weights, for every method alike (:mod:`hf_specdec.cpu_kernels`: plain
-            decoding's one-token steps too); ``"stock"``: the target as it is. The config records which, and how many layers.
+            decoding's one-token steps too); ``"stock"``: the target as it is. The config records which, and how
+            many layers.
     """
     _check_arguments(prompts, methods, max_new_tokens, repeats, warmup, batch_sizes, temperatures)
     with linear_kernels_for(target, linear_kernels) as packed:
