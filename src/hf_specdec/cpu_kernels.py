@@ -11,7 +11,10 @@ whether a drafter pays on a CPU.
 :func:`pack_linear_weights` packs each fp32 ``nn.Linear`` weight of a model once, in oneDNN's blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``), and computes every call over 1 to ``max_rows`` rows with
 ``torch.ops.mkldnn._linear_pointwise``: the one-token steps of plain decoding too, so that plain and speculative
-decoding on a packed target run the same kernels and a speedup measured between them is the drafter's alone. A pass
+decoding on a packed target run the same kernels and a speedup measured between them is the drafter's alone. Calls
+over 1 or 2 rows are padded to 3 with zero rows, because oneDNN's kernels for one and two rows are slower than its
+kernel for three (a SmolLM2 pass over 2 tokens cost 1.2 of one over 3 on the AMD VM, and a one-token step 1.05 at
+one thread). A pass
 over more rows (a prompt's prefill), any call that needs gradients, and a layer whose weight was changed or replaced
 after packing run the stock ``F.linear``, so training never sees a stale copy. Packed and stock results differ in
 the last bits, as any two BLAS kernels do; greedy speculative decoding on a packed target is token-identical to
@@ -29,6 +32,7 @@ import torch.nn.functional as F
 
 DEFAULT_MAX_ROWS = 64
 PACKING_ROWS_HINT = 6  # the rows oneDNN lays the packed weight out for; level from 1 to 64 rows
+MIN_KERNEL_ROWS = 3  # fewer rows are padded to this many: oneDNN's kernel for 2 rows costs about 1.2 of its 3-row one
 
 
 def packed_linears_supported() -> bool:
@@ -57,7 +61,12 @@ def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows < 1 or rows > state.max_rows or not state.current(self.weight, x):
         return F.linear(x, self.weight, self.bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), state.packed, self.bias, "none", [], "")
+    if rows >= MIN_KERNEL_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), state.packed, self.bias, "none", [], "")
+    flat = x.reshape(rows, x.shape[-1])
+    padded = torch.cat([flat, flat.new_zeros(MIN_KERNEL_ROWS - rows, flat.shape[-1])])
+    out = torch.ops.mkldnn._linear_pointwise(padded, state.packed, self.bias, "none", [], "")[:rows]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 class _PackedWeight:
