@@ -13,10 +13,10 @@ whether a drafter pays on a CPU.
 ``torch.ops.mkldnn._linear_pointwise``: the one-token steps of plain decoding too, so that plain and speculative
 decoding on a packed target run the same kernels and a speedup measured between them is the drafter's alone. Calls
 over 1 or 2 rows are padded to 3 with zero rows, because oneDNN's kernels for one and two rows are slower than its
-kernel for three (a SmolLM2 pass over 2 tokens cost 1.2 of one over 3 on the AMD VM, and a one-token step 1.05 at
-one thread). A pass
-over more rows (a prompt's prefill), any call that needs gradients, and a layer whose weight was changed or replaced
-after packing run the stock ``F.linear``, so training never sees a stale copy. Packed and stock results differ in
+kernel for three: on the AMD VM a SmolLM2 pass over 2 tokens cost 1.2 times one over 3, and padding made a one-token
+step 5 % faster at one thread. A pass over more rows (a prompt's prefill), any call that needs gradients, and a
+layer whose weight was changed or replaced after packing run the stock ``F.linear``, so training never sees a stale
+copy. Packed and stock results differ in
 the last bits, as any two BLAS kernels do; greedy speculative decoding on a packed target is token-identical to
 plain decoding on the same packed target (``tests/test_cpu_kernels.py``).
 
