@@ -16,9 +16,8 @@ over 1 or 2 rows are padded to 3 with zero rows, because oneDNN's kernels for on
 kernel for three: on the AMD VM a SmolLM2 pass over 2 tokens cost 1.2 times one over 3, and padding made a one-token
 step 5 % faster at one thread. A pass over more rows (a prompt's prefill), any call that needs gradients, and a
 layer whose weight was changed or replaced after packing run the stock ``F.linear``, so training never sees a stale
-copy. Packed and stock results differ in
-the last bits, as any two BLAS kernels do; greedy speculative decoding on a packed target is token-identical to
-plain decoding on the same packed target (``tests/test_cpu_kernels.py``).
+copy. Packed and stock results differ in the last bits, as any two BLAS kernels do; greedy speculative decoding on
+a packed target is token-identical to plain decoding on the same packed target (``tests/test_cpu_kernels.py``).
 
 The packed copies take as much memory as the weights they copy (a tied embedding / LM head is copied once).
 """
