@@ -26,12 +26,21 @@ on a CPU; ``smollm2-pass-cost-packed`` is the same command from before, when the
 
     python scripts/smollm2_pass_cost.py --dtypes float32 --layouts stock packed \
         --results model_cards/results/smollm2-pass-cost-onednn
+
+``--batch-sizes 1 4 --attention copied grouped`` times batches too, with transformers' SDPA as it is and with the
+grouped-query kernel the speculative loop runs on a CPU target (:func:`hf_specdec.cpu_kernels.grouped_query_sdpa`;
+a pass over several tokens, and every call of a padded batch, has a mask, and a masked call otherwise copies the
+keys and values to every query head)::
+
+    python scripts/smollm2_pass_cost.py --dtypes float32 --layouts packed --batch-sizes 1 4 \
+        --attention copied grouped --context 1000 --results model_cards/results/smollm2-pass-cost-batch
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import shlex
 import statistics
@@ -46,15 +55,16 @@ from results_files import write_results  # noqa: E402
 
 
 @torch.no_grad()
-def time_widths(target, widths, context: int, calls: int) -> dict[int, float]:
-    """Median seconds of a cached forward over each width (the cache is cut back after every call)."""
+def time_widths(target, widths, context: int, calls: int, batch: int = 1) -> dict[int, float]:
+    """Median seconds of a cached forward over each width, for ``batch`` rows (the cache is cut back after every
+    call)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=target.config)
-    target(torch.randint(100, 20000, (1, context)), cache=cache, use_cache=True)
+    target(torch.randint(100, 20000, (batch, context)), cache=cache, use_cache=True)
     out = {}
     for w in widths:
-        x = torch.randint(100, 20000, (1, w))
+        x = torch.randint(100, 20000, (batch, w))
         times = []
         for _ in range(calls):
             t0 = time.perf_counter()
@@ -96,6 +106,25 @@ def linear_layout(model, layout: str):
             del m.forward
 
 
+@contextlib.contextmanager
+def attention_kind(model, attention: str):
+    """``"copied"``: transformers' SDPA as it is (a masked call copies the keys and values to every query head);
+    ``"grouped"``: the grouped-query kernel for every call (:func:`hf_specdec.cpu_kernels.grouped_query_sdpa`, what
+    the speculative loop runs on a CPU target). A pass over several tokens has a mask, a one-token step has none."""
+    from hf_specdec.cpu_kernels import GQA_SWITCH, grouped_query_sdpa
+
+    if attention == "grouped":
+        with grouped_query_sdpa(model):
+            yield
+        return
+    saved = os.environ.pop(GQA_SWITCH, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[GQA_SWITCH] = saved
+
+
 @torch.no_grad()
 def layout_logit_difference(target, context: int, width: int, layout: str) -> float:
     """The largest difference between the stock layout's logits and ``layout``'s over a cached pass of ``width``
@@ -121,15 +150,21 @@ def markdown(result: dict) -> str:
         f"per width, {result['repeats']} interleaved repeats; cells: the median over repeats of w's time over the "
         "one-token step's in the same repeat [min–max]; the last column is the one-token step itself.",
         "",
-        "| dtype | threads | layout | " + " | ".join(f"w = {w}" for w in widths[1:]) + " | one-token step |",
-        "|:---|---:|:---|" + "---:|" * len(widths),
+        "A batch's pass over w tokens runs w tokens in each of its rows (rows of equal length, no padding); its "
+        "step is a one-token step of the same rows. Attention: `copied`, transformers' SDPA as it is (a masked "
+        "call copies the keys and values to every query head); `grouped`, the grouped-query kernel for every call "
+        "(what the speculative loop runs).",
+        "",
+        "| dtype | threads | batch | layout | attention | "
+        + " | ".join(f"w = {w}" for w in widths[1:])
+        + " | one-token step |",
+        "|:---|---:|---:|:---|:---|" + "---:|" * len(widths),
     ]
     for row in result["rows"]:
         cells = [f"{r['median']:.2f}× [{r['min']:.2f}–{r['max']:.2f}]" for r in row["relative"]]
         lines.append(
-            f"| {row['dtype']} | {row['threads']} | {row.get('layout', 'stock')} | "
-            + " | ".join(cells)
-            + f" | {row['step_ms']:.0f} ms |"
+            f"| {row['dtype']} | {row['threads']} | {row.get('batch', 1)} | {row.get('layout', 'stock')} | "
+            f"{row.get('attention', 'copied')} | " + " | ".join(cells) + f" | {row['step_ms']:.0f} ms |"
         )
     differences = result.get("layout_logit_difference") or {}
     if not isinstance(differences, dict):  # results written before the packed layout: weight-first only
@@ -146,6 +181,8 @@ def main(argv=None):
     p.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 6, 11])
     p.add_argument("--context", type=int, default=400)
     p.add_argument("--layouts", nargs="+", default=["stock"], choices=["stock", "weight-first", "packed"])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    p.add_argument("--attention", nargs="+", default=["copied"], choices=["copied", "grouped"])
     p.add_argument("--calls", type=int, default=9)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--results", default="model_cards/results/smollm2-pass-cost")
@@ -156,17 +193,18 @@ def main(argv=None):
     from hf_specdec.gguf_target import load_smollm2
 
     targets = {dtype: load_smollm2(dtype=dtype)[0].eval() for dtype in args.dtypes}
-    samples = {(d, t, lay): [] for d in args.dtypes for t in args.threads for lay in args.layouts}
+    settings = itertools.product(args.dtypes, args.threads, args.batch_sizes, args.layouts, args.attention)
+    samples = {setting: [] for setting in settings}
     for _ in range(args.repeats):
-        for (dtype, threads, layout), runs in samples.items():
+        for (dtype, threads, batch, layout, attention), runs in samples.items():
             torch.set_num_threads(threads)
-            with linear_layout(targets[dtype], layout):
-                runs.append(time_widths(targets[dtype], args.widths, args.context, args.calls))
+            with linear_layout(targets[dtype], layout), attention_kind(targets[dtype], attention):
+                runs.append(time_widths(targets[dtype], args.widths, args.context, args.calls, batch))
     rows = []
-    for (dtype, threads, layout), runs in samples.items():
+    for (dtype, threads, batch, layout, attention), runs in samples.items():
         ratios = {w: [r[w] / r[1] for r in runs] for w in args.widths[1:]}
         rows.append({
-            "dtype": dtype, "threads": threads, "layout": layout,
+            "dtype": dtype, "threads": threads, "batch": batch, "layout": layout, "attention": attention,
             "step_ms": 1000 * statistics.median(r[1] for r in runs),
             "relative": [{"width": w, "median": statistics.median(v), "min": min(v), "max": max(v)}
                          for w, v in ratios.items()],

@@ -161,6 +161,7 @@ def test_bench_and_demo_commands(tmp_path, monkeypatch):
     assert (out / "bench.md").read_text().count("|") > 10
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert report["config"]["linear_kernels"].startswith("packed (")  # the default, for every method alike
+    assert report["config"]["attention"] == "sdpa, grouped-query kernel for every call"  # 6 heads over 2 K/V heads
 
     # the demo drafts every pass here (its adaptive length reads the clock and may run plain steps on a loaded machine)
     adaptive = runner.drafter_method

@@ -141,3 +141,58 @@ def test_a_kernel_that_disagrees_with_linear_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match="disagrees with F.linear"):
         pack_linear_weights(model)
     assert all("forward" not in m.__dict__ for m in _plain_linears(model))
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """Records, for every SDPA call of the target, whether it had a mask and whether it used the grouped kernel."""
+    calls, real = [], F.scaled_dot_product_attention
+
+    def recording(query, key, value, attn_mask=None, *args, enable_gqa=False, **kwargs):
+        calls.append((attn_mask is not None, bool(enable_gqa), key.shape[1] < query.shape[1]))
+        return real(query, key, value, attn_mask, *args, enable_gqa=enable_gqa, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    monkeypatch.delenv(cpu_kernels.GQA_SWITCH, raising=False)
+    return calls
+
+
+def test_speculative_passes_attend_with_the_grouped_kernel_and_leave_the_switch_as_it_was(sdpa_calls):
+    target = make_target(seed=5)
+    assert target.config._attn_implementation == "sdpa"
+    assert target.config.num_key_value_heads < target.config.num_attention_heads
+    batch = _batch(2, length=9, seed=5)
+    plain = target.generate(**batch, max_new_tokens=12, do_sample=False)
+    assert any(masked and not grouped for masked, grouped, _ in sdpa_calls), "plain decoding should copy K/V here"
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3)).eval()
+    sdpa_calls.clear()
+    spec = target.generate(**batch, max_new_tokens=12, do_sample=False, assistant_model=drafter, draft_length="fixed")
+    assert torch.equal(spec, plain)
+    masked = [grouped for has_mask, grouped, _ in sdpa_calls if has_mask]
+    assert masked and all(masked), "a masked pass (target or drafter) copied K/V to every head"
+    assert all(fewer_kv_heads for _, grouped, fewer_kv_heads in sdpa_calls if grouped)
+    assert cpu_kernels.GQA_SWITCH not in __import__("os").environ
+
+
+def test_the_grouped_query_switch_counts_its_users_and_keeps_a_users_value(monkeypatch):
+    import os
+
+    target = make_target(seed=6)
+    monkeypatch.delenv(cpu_kernels.GQA_SWITCH, raising=False)
+    with cpu_kernels.grouped_query_sdpa(target) as applied:
+        assert applied and os.environ[cpu_kernels.GQA_SWITCH] == "1"
+        with cpu_kernels.grouped_query_sdpa(target):
+            pass
+        assert os.environ[cpu_kernels.GQA_SWITCH] == "1"  # the outer caller is still inside
+    assert cpu_kernels.GQA_SWITCH not in os.environ
+    monkeypatch.setenv(cpu_kernels.GQA_SWITCH, "0")  # a user's choice stays
+    with cpu_kernels.grouped_query_sdpa(target):
+        assert os.environ[cpu_kernels.GQA_SWITCH] == "0"
+    assert os.environ[cpu_kernels.GQA_SWITCH] == "0"
+    monkeypatch.delenv(cpu_kernels.GQA_SWITCH)
+    target.config._attn_implementation = "eager"  # eager attention has no such switch: nothing to change
+    with cpu_kernels.grouped_query_sdpa(target) as applied:
+        assert not applied and cpu_kernels.GQA_SWITCH not in os.environ
+    target.config._attn_implementation = "sdpa"
+    target.config.num_key_value_heads = target.config.num_attention_heads  # no grouped heads: nothing to copy
+    assert not cpu_kernels.grouped_query_sdpa_applies(target)

@@ -20,10 +20,23 @@ copy. Packed and stock results differ in the last bits, as any two BLAS kernels 
 a packed target is token-identical to plain decoding on the same packed target (``tests/test_cpu_kernels.py``).
 
 The packed copies take as much memory as the weights they copy (a tied embedding / LM head is copied once).
+
+:func:`grouped_query_sdpa` is the attention's part. A target with fewer key/value heads than query heads (SmolLM2:
+3 and 9) is computed by transformers' SDPA attention with ``enable_gqa`` only where the call has no mask; a call with
+one (any pass over several tokens, every step of a padded batch) first copies each layer's keys and values to every
+query head. On the AMD VM, at a 1,000-token context, that copy made a SmolLM2 pass over 2 tokens cost 1.19 one-token
+steps instead of 1.05, and at batch 4 2.01 instead of 1.30 (``runs`` diagnostics; the plain one-token step at batch 1
+has no mask and never copied). For CPU targets the speculative loop turns on transformers' own switch for the
+grouped kernel (``TRANSFORMERS_SDPA_FORCE_GQA``) while it decodes, and ``hf-specdec bench`` / ``demo`` keep it on for
+plain decoding too, so a padded batch's baseline runs the same attention.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+import threading
 import types
 
 import torch
@@ -176,3 +189,73 @@ def _check_against_stock(module: torch.nn.Module, handle: PackedLinears) -> None
                 f"oneDNN's packed linear kernel disagrees with F.linear over {rows} rows on this machine; leave the "
                 "target's layers as they are and report your torch version and CPU."
             )
+
+
+GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch: SDPA's grouped-query kernel, masked calls too
+_gqa_lock = threading.Lock()
+_gqa_users = 0
+_gqa_saved: str | None = None
+
+
+def grouped_query_sdpa_applies(model: torch.nn.Module) -> bool:
+    """Whether :func:`grouped_query_sdpa` changes how ``model`` attends: SDPA attention on the CPU, fewer key/value
+    heads than query heads, and a torch with SDPA's ``enable_gqa`` (2.5 and later). On CUDA transformers keeps masked
+    calls off the grouped kernel on purpose (it falls back to the slow math kernel there), so GPU targets are left
+    alone."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    param = next(model.parameters(), None)
+    return (
+        sdpa_has_enable_gqa()
+        and getattr(config, "_attn_implementation", None) == "sdpa"
+        and param is not None
+        and param.device.type == "cpu"
+        and bool(heads)
+        and bool(kv_heads)
+        and kv_heads < heads
+    )
+
+
+@functools.cache
+def sdpa_has_enable_gqa() -> bool:
+    """Whether this torch's ``scaled_dot_product_attention`` takes ``enable_gqa`` (2.5 and later)."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 5)
+
+
+@contextlib.contextmanager
+def grouped_query_sdpa(model: torch.nn.Module):
+    """While inside, ``model``'s masked SDPA calls use the grouped-query kernel instead of copying the keys and
+    values to every query head (where :func:`grouped_query_sdpa_applies`; yields whether it does).
+
+    The switch is transformers' environment variable, so it holds for the whole process while any caller is inside
+    (nested and concurrent callers are counted; the variable's earlier value comes back when the last one leaves).
+    A user who set it keeps their value. Another model decoding at the same time in another thread then uses the
+    grouped kernel too: the same attention, computed without the copy."""
+    if not grouped_query_sdpa_applies(model):
+        yield False
+        return
+    _enter_gqa()
+    try:
+        yield True
+    finally:
+        _leave_gqa()
+
+
+def _enter_gqa() -> None:
+    global _gqa_users, _gqa_saved
+    with _gqa_lock:
+        if _gqa_users == 0:
+            _gqa_saved = os.environ.get(GQA_SWITCH)
+            if _gqa_saved is None:
+                os.environ[GQA_SWITCH] = "1"
+        _gqa_users += 1
+
+
+def _leave_gqa() -> None:
+    global _gqa_users
+    with _gqa_lock:
+        _gqa_users -= 1
+        if _gqa_users == 0 and _gqa_saved is None:
+            os.environ.pop(GQA_SWITCH, None)

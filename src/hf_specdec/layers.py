@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_kernels import sdpa_has_enable_gqa
+
 __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
@@ -461,7 +463,8 @@ def slot_attention(
     """
     bsz, heads, t, _ = q.shape
     s = k.shape[2]
-    if k.shape[1] != heads:
+    grouped = k.shape[1] != heads and q.device.type == "cpu" and sdpa_has_enable_gqa()
+    if k.shape[1] != heads and not grouped:  # CUDA's masked grouped kernel is the slow math one: copy there
         rep = heads // k.shape[1]
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
@@ -474,6 +477,8 @@ def slot_attention(
         mask = mask & (k_slot[None, :] <= q_slot[:, None])[None, None]
     # A query always sees itself, so rows of pure padding never produce NaNs.
     mask = mask | (k_slot[None, :] == q_slot[:, None])[None, None]
+    if grouped:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 

@@ -69,7 +69,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from ..cpu_kernels import linear_kernels_for
+from ..cpu_kernels import grouped_query_sdpa, linear_kernels_for
 from .prompts import PromptItem, render_prompt
 
 __all__ = [
@@ -473,10 +473,12 @@ def run_benchmark(
         linear_kernels: ``"packed"`` (default): for the run, the target's fp32 CPU linear layers compute passes over
             1–64 rows with pre-packed oneDNN weights, for every method alike (:mod:`hf_specdec.cpu_kernels`: plain
             decoding's one-token steps too); ``"stock"``: the target as it is. The config records which, and how
-            many layers.
+            many layers. Every method runs with :func:`~hf_specdec.cpu_kernels.grouped_query_sdpa` (what the
+            speculative loop does itself), so a padded batch's plain baseline attends as the loop does; the config's
+            ``attention`` says whether it applied.
     """
     _check_arguments(prompts, methods, max_new_tokens, repeats, warmup, batch_sizes, temperatures)
-    with linear_kernels_for(target, linear_kernels) as packed:
+    with linear_kernels_for(target, linear_kernels) as packed, grouped_query_sdpa(target) as grouped:
         packed_layers = len(packed)
         grammars = _SchemaGrammars(schemas, tokenizer, target, schema_options) if schemas else None
         bench = _Benchmark(target, tokenizer, methods, prompts, max_new_tokens, top_p, max_prompt_tokens, grammars)
@@ -505,6 +507,7 @@ def run_benchmark(
         "max_prompt_tokens": max_prompt_tokens,
         "methods": _describe_methods(bench.methods, bench.reference_of, bench.plain_name),
         "linear_kernels": f"packed ({packed_layers} layers)" if packed_layers else "stock",
+        "attention": "sdpa, grouped-query kernel for every call" if grouped else "as loaded",
     }
     if schema_options:
         report_config["schema_options"] = dict(schema_options)

@@ -33,6 +33,7 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
+from ..cpu_kernels import grouped_query_sdpa
 from ..layers import compaction_index
 from ..modeling_utils import DrafterPreTrainedModel
 from ..tree.policies import TREE_OPTIONS, make_tree_policy
@@ -1183,9 +1184,10 @@ def speculative_generate(
     decoder = SpeculativeDecoder(model, drafter, input_ids, options, generation_config, logits_processor,
                                  stopping_criteria, spec_streamer if spec_streamer is not None else streamer,
                                  spec_timing, model_kwargs)  # fmt: skip
-    decoder.prefill()
-    while not decoder.done:
-        decoder.step()
+    with grouped_query_sdpa(model):  # a CPU target's masked passes attend without copying keys and values
+        decoder.prefill()
+        while not decoder.done:
+            decoder.step()
     return decoder.output()
 
 
