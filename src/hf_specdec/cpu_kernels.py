@@ -24,9 +24,9 @@ The packed copies take as much memory as the weights they copy (a tied embedding
 :func:`grouped_query_sdpa` is the attention's part. A target with fewer key/value heads than query heads (SmolLM2:
 3 and 9) is computed by transformers' SDPA attention with ``enable_gqa`` only where the call has no mask; a call with
 one (any pass over several tokens, every step of a padded batch) first copies each layer's keys and values to every
-query head. On the AMD VM, at a 1,000-token context, that copy made a SmolLM2 pass over 2 tokens cost 1.19 one-token
-steps instead of 1.05, and at batch 4 2.01 instead of 1.30 (``runs`` diagnostics; the plain one-token step at batch 1
-has no mask and never copied). For CPU targets the speculative loop turns on transformers' own switch for the
+query head. On the AMD VM, at a 1,000-token context, that copy made a SmolLM2 pass over 2 tokens cost 1.20 one-token
+steps instead of 1.05, and at batch 4 2.12 instead of 1.24 (``scripts/smollm2_pass_cost.py``,
+``smollm2-pass-cost-batch.md``; the plain one-token step at batch 1 has no mask and never copied). For CPU targets the speculative loop turns on transformers' own switch for the
 grouped kernel (``TRANSFORMERS_SDPA_FORCE_GQA``) while it decodes, and ``hf-specdec bench`` / ``demo`` keep it on for
 plain decoding too, so a padded batch's baseline runs the same attention.
 """
