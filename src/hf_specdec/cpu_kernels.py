@@ -26,9 +26,10 @@ The packed copies take as much memory as the weights they copy (a tied embedding
 one (any pass over several tokens, every step of a padded batch) first copies each layer's keys and values to every
 query head. On the AMD VM, at a 1,000-token context, that copy made a SmolLM2 pass over 2 tokens cost 1.20 one-token
 steps instead of 1.05, and at batch 4 2.12 instead of 1.24 (``scripts/smollm2_pass_cost.py``,
-``smollm2-pass-cost-batch.md``; the plain one-token step at batch 1 has no mask and never copied). For CPU targets the speculative loop turns on transformers' own switch for the
-grouped kernel (``TRANSFORMERS_SDPA_FORCE_GQA``) while it decodes, and ``hf-specdec bench`` / ``demo`` keep it on for
-plain decoding too, so a padded batch's baseline runs the same attention.
+``smollm2-pass-cost-batch.md``; the plain one-token step at batch 1 has no mask and never copied). For CPU targets
+the speculative loop turns on transformers' own switch for the grouped kernel (``TRANSFORMERS_SDPA_FORCE_GQA``) while
+it decodes, and ``hf-specdec bench`` / ``demo`` keep it on for plain decoding too, so a padded batch's baseline runs
+the same attention.
 """
 
 from __future__ import annotations
