@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import EOS, char_tokenizer, make_oracle, make_target
 
-from hf_specdec import AutoModelForDrafting, Eagle3Config
+from hf_specdec import AutoModelForDrafting, Eagle3Config, cpu_kernels
 from hf_specdec.bench.prompts import PromptItem
 from hf_specdec.bench.runner import (
     _acceptance,
@@ -162,15 +162,18 @@ def test_bench_and_demo_commands(tmp_path, monkeypatch):
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert report["config"]["linear_kernels"].startswith("packed (")  # the default, for every method alike
     assert report["config"]["attention"] == "sdpa, grouped-query kernel for every call"  # 6 heads over 2 K/V heads
+    expected = "bf16, packed (" if cpu_kernels.bf16_linears_supported() else "stock"  # the default, where it can
+    assert report["config"]["draft_kernels"].startswith(expected)
 
     # the demo drafts every pass here (its adaptive length reads the clock and may run plain steps on a loaded machine)
     adaptive = runner.drafter_method
     monkeypatch.setattr(runner, "drafter_method", lambda *a, **k: adaptive(*a, **{"draft_length": "fixed", **k}))
     rc = main(["demo", "--target", "demo-code", "--prompts", "1", "--max-new-tokens", "8", "--out", str(tmp_path),
-               "--linear-kernels", "stock"])  # fmt: skip
+               "--linear-kernels", "stock", "--draft-kernels", "stock"])  # fmt: skip
     assert rc == 0
     summary = json.loads((tmp_path / "demo_report.json").read_text())
     assert summary["report"]["config"]["linear_kernels"] == "stock"
+    assert summary["report"]["config"]["draft_kernels"] == "stock"
     for key in ("speedup", "mean_accepted_length", "identical", "tokens_per_s_plain", "tokens_per_s_speculative"):
         assert key in summary
     assert summary["target"] == "demo-code" and summary["report"]["config"]["target"] == "hf_specdec demo-target"

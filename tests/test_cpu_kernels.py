@@ -5,8 +5,12 @@ import torch
 import torch.nn.functional as F
 from helpers import make_oracle, make_target, ragged_batch
 
-from hf_specdec import AutoModelForDrafting, Eagle3Config, cpu_kernels, pack_linear_weights
-from hf_specdec.cpu_kernels import linear_kernels_for
+from hf_specdec import AutoModelForDrafting, Eagle3Config, cpu_kernels, pack_draft_weights, pack_linear_weights
+from hf_specdec.cpu_kernels import draft_kernels_for, linear_kernels_for
+
+needs_bf16 = pytest.mark.skipif(
+    not cpu_kernels.bf16_linears_supported(), reason="this CPU has no oneDNN bf16 kernels (AVX-512 or AMX needed)"
+)
 
 
 def _batch(rows, length, seed):
@@ -134,13 +138,69 @@ def test_bad_options_and_builds_without_the_kernel(monkeypatch):
     assert len(linear_kernels_for(model, "packed")) == 0
 
 
-def test_a_kernel_that_disagrees_with_linear_is_refused(monkeypatch):
+@pytest.mark.parametrize(
+    "pack, error", [(pack_linear_weights, 1e-2), pytest.param(pack_draft_weights, 0.2, marks=needs_bf16)]
+)
+def test_a_kernel_that_disagrees_with_linear_is_refused(monkeypatch, pack, error):
     model = make_target(seed=1)
     real = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: real(*args) + 1e-2)
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: real(*args) + error)
     with pytest.raises(RuntimeError, match="disagrees with F.linear"):
-        pack_linear_weights(model)
+        pack(model)
     assert all("forward" not in m.__dict__ for m in _plain_linears(model))
+
+
+@needs_bf16
+def test_draft_layers_compute_in_bf16_over_any_rows(packed_calls):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80)
+    with pack_draft_weights(layer) as packed, torch.no_grad():
+        assert len(packed) == 1
+        for shape in [(1, 48), (2, 48), (3, 5, 48), (300, 48)]:
+            x = torch.randn(*shape)
+            before = len(packed_calls)
+            out = layer(x)
+            assert packed_calls[before:] == [x.numel() // 48]  # one row unpadded, a long prompt's rows too
+            assert out.dtype == torch.float32 and out.shape == (*shape[:-1], 80)
+            bf16 = [t.to(torch.bfloat16).float() for t in (x, layer.weight, layer.bias)]
+            torch.testing.assert_close(out, F.linear(*bf16), rtol=1e-2, atol=1e-2)
+            assert not torch.equal(out, F.linear(x, layer.weight, layer.bias))  # bf16 weights, not the fp32 ones
+        before = len(packed_calls)
+        layer.weight.mul_(2.0)  # changed after packing: the stock layer, never the stale copy
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert len(packed_calls) == before
+    assert "forward" not in layer.__dict__
+
+
+@needs_bf16
+def test_a_bf16_drafter_leaves_greedy_output_identical_and_the_target_alone(packed_calls):
+    target = make_target(seed=3)
+    batch = _batch(2, length=9, seed=4)
+    plain = target.generate(**batch, max_new_tokens=16, do_sample=False)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3)).eval()
+    drafter.lm_head.weight = target.lm_head.weight  # shared with the target: never packed in bf16
+    with draft_kernels_for([drafter, None, drafter], "bf16", target) as packed:
+        assert len(packed) == len(_plain_linears(drafter)) - 1
+        assert "forward" not in drafter.lm_head.__dict__
+        assert all("forward" not in m.__dict__ for m in target.modules())
+        packed_calls.clear()
+        spec = target.generate(**batch, max_new_tokens=16, do_sample=False, assistant_model=drafter,
+                               draft_length="fixed")  # fmt: skip
+        assert packed_calls, "the drafter's layers never reached the bf16 kernel"
+    assert torch.equal(spec, plain)
+    assert all("forward" not in m.__dict__ for m in drafter.modules())
+
+
+def test_draft_kernel_options_and_cpus_without_bf16(monkeypatch):
+    target, drafter = make_target(seed=1), torch.nn.Linear(8, 8)
+    with pytest.raises(ValueError, match="bf16, stock"):
+        draft_kernels_for([drafter], "fp16", target)
+    assert len(draft_kernels_for([drafter], "stock", target)) == 0
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert not cpu_kernels.bf16_linears_supported()
+    with pytest.raises(RuntimeError, match="no oneDNN bf16 linear kernels"):
+        pack_draft_weights(drafter)
+    assert len(draft_kernels_for([drafter], "bf16", target)) == 0 and "forward" not in drafter.__dict__
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ installs the narrow ``generate`` hook (see :mod:`hf_specdec.generation.hook`) so
 from . import models
 from .auto import AutoModelForDrafting
 from .configuration_utils import DrafterConfig
-from .cpu_kernels import PackedLinears, pack_linear_weights
+from .cpu_kernels import PackedLinears, pack_draft_weights, pack_linear_weights
 from .generation import (
     DraftInputs,
     GrammarLogitsProcessor,
@@ -34,6 +34,7 @@ __all__ = [
     "DrafterConfig",
     "DrafterPreTrainedModel",
     "speculative_generate",
+    "pack_draft_weights",
     "pack_linear_weights",
     "PackedLinears",
     "GrammarLogitsProcessor",

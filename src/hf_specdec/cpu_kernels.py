@@ -21,6 +21,11 @@ a packed target is token-identical to plain decoding on the same packed target (
 
 The packed copies take as much memory as the weights they copy (a tied embedding / LM head is copied once).
 
+:func:`pack_draft_weights` does the same for a drafter, in bf16: its linear layers compute with bf16 weights packed
+for oneDNN, over any number of rows. A drafter's precision decides only how often its tokens are accepted, never the
+output, and a one-token draft step is bound by reading the drafter's weights with PyTorch's one-thread fp32
+matrix-vector kernel; in bf16 it costs about two thirds of that on the AMD VM.
+
 :func:`grouped_query_sdpa` is the attention's part. A target with fewer key/value heads than query heads (SmolLM2:
 3 and 9) is computed by transformers' SDPA attention with ``enable_gqa`` only where the call has no mask; a call with
 one (any pass over several tokens, every step of a padded batch) first copies each layer's keys and values to every
@@ -37,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import threading
 import types
 
@@ -74,24 +80,32 @@ def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows < 1 or rows > state.max_rows or not state.current(self.weight, x):
         return F.linear(x, self.weight, self.bias)
-    if rows >= MIN_KERNEL_ROWS:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), state.packed, self.bias, "none", [], "")
-    flat = x.reshape(rows, x.shape[-1])
-    padded = torch.cat([flat, flat.new_zeros(MIN_KERNEL_ROWS - rows, flat.shape[-1])])
-    out = torch.ops.mkldnn._linear_pointwise(padded, state.packed, self.bias, "none", [], "")[:rows]
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    return state.compute(x, rows, self.bias)
 
 
 class _PackedWeight:
-    """One layer's packed copy and what it was packed from (the weight tensor and its in-place version)."""
+    """One layer's packed copy (in ``dtype``) and what it was packed from (the weight tensor, its in-place version)."""
 
-    def __init__(self, weight: torch.Tensor, max_rows: int):
+    def __init__(self, weight: torch.Tensor, max_rows: int, dtype: torch.dtype = torch.float32):
         self.weight = weight
         self.version = weight._version
         self.storage = weight.data_ptr()
         self.max_rows = max_rows
+        self.dtype = dtype
+        # oneDNN's fp32 kernels for one and two rows are slower than its three-row one; its bf16 ones are not
+        self.min_rows = MIN_KERNEL_ROWS if dtype == torch.float32 else 1
+        hint = PACKING_ROWS_HINT if dtype == torch.float32 else 1
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACKING_ROWS_HINT)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), hint)
+
+    def compute(self, x: torch.Tensor, rows: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` over ``rows`` rows with the packed copy, in ``x``'s dtype."""
+        flat = x.reshape(rows, x.shape[-1]).to(self.dtype)
+        if rows < self.min_rows:
+            flat = torch.cat([flat, flat.new_zeros(self.min_rows - rows, flat.shape[-1])])
+        bias = None if bias is None else bias.to(self.dtype)
+        out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.packed, bias, "none", [], "")[:rows]
+        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
     def current(self, weight: torch.Tensor, x: torch.Tensor) -> bool:
         """Whether the packed copy may compute this call: the same weight, unchanged (not written in place, its
@@ -152,9 +166,40 @@ def pack_linear_weights(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS
         )
     if int(max_rows) < 1:
         raise ValueError(f"max_rows must be at least 1, got {max_rows}.")
-    modules = [m for m in model.modules() if _packable(m)]
+    return _pack([m for m in model.modules() if _packable(m)], int(max_rows), torch.float32)
+
+
+def pack_draft_weights(drafter: torch.nn.Module, target: torch.nn.Module | None = None) -> PackedLinears:
+    """Compute a drafter's fp32 CPU ``nn.Linear`` layers in bf16, with weights rounded to bf16 and packed once for
+    oneDNN, over any number of rows; their outputs come back in fp32, and everything else stays fp32.
+
+    A drafter's precision changes only how often its tokens are accepted, never what the target outputs: greedy
+    decoding stays token-identical to plain decoding and sampling stays lossless, since the target verifies every
+    token against the draft probabilities the drafter actually used. On a CPU a one-token draft step is bound by
+    reading the drafter's weights, and PyTorch's fp32 matrix-vector kernel uses one thread, so bf16 weights in
+    oneDNN's layout cost less: on the 2-core AMD VM the shipped SmolLM2 drafter's draft cost ratio fell from 0.06 to
+    0.04 of a target step, with the same τ (``model_cards/results/smollm2-draft-kernels.md``). Never use it on a
+    target.
+
+    Layers are chosen as :func:`pack_linear_weights` chooses them; a layer whose weight is also one of ``target``'s
+    parameters (a head or embedding the drafter shares with it) is left alone.
+
+    Raises:
+        RuntimeError: this PyTorch build or CPU has no oneDNN bf16 kernels (:func:`bf16_linears_supported`), or the
+            kernel disagrees with ``F.linear`` on bf16-rounded inputs (checked once on a layer).
+    """
+    if not bf16_linears_supported():
+        raise RuntimeError(
+            "this PyTorch build or CPU has no oneDNN bf16 linear kernels; leave the drafter's layers as they are."
+        )
+    shared = {id(p) for p in target.parameters()} if target is not None else set()
+    modules = [m for m in drafter.modules() if _packable(m) and id(m.weight) not in shared]
+    return _pack(modules, sys.maxsize, torch.bfloat16)
+
+
+def _pack(modules: list[torch.nn.Module], max_rows: int, dtype: torch.dtype) -> PackedLinears:
     for module in modules:
-        module._hf_specdec_packed = _PackedWeight(module.weight, int(max_rows))
+        module._hf_specdec_packed = _PackedWeight(module.weight, max_rows, dtype)
         module.forward = types.MethodType(_packed_forward, module)
     handle = PackedLinears(modules)
     if modules:
@@ -162,7 +207,13 @@ def pack_linear_weights(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS
     return handle
 
 
+def bf16_linears_supported() -> bool:
+    """Whether oneDNN's packed linear kernels run bf16 on this build and CPU (:func:`pack_draft_weights`)."""
+    return packed_linears_supported() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 LINEAR_KERNELS = ("packed", "stock")
+DRAFT_KERNELS = ("bf16", "stock")
 
 
 def linear_kernels_for(model: torch.nn.Module, kernels: str) -> PackedLinears:
@@ -176,19 +227,41 @@ def linear_kernels_for(model: torch.nn.Module, kernels: str) -> PackedLinears:
     return pack_linear_weights(model)
 
 
+def draft_kernels_for(drafters: list[torch.nn.Module], kernels: str, target: torch.nn.Module) -> PackedLinears:
+    """``kernels="bf16"``: :func:`pack_draft_weights` on each drafter (or assistant model) where this build and CPU
+    can (an empty handle where they cannot); ``"stock"``: nothing packed. What ``hf-specdec bench`` / ``demo`` apply
+    to the drafters for the length of a run (``--draft-kernels``)."""
+    if kernels not in DRAFT_KERNELS:
+        raise ValueError(f"draft kernels must be one of {', '.join(DRAFT_KERNELS)}, got {kernels!r}.")
+    if kernels == "stock" or not bf16_linears_supported():
+        return PackedLinears([])
+    handle = PackedLinears([])
+    try:
+        for drafter in {id(d): d for d in drafters if d is not None and d is not target}.values():
+            handle.modules += pack_draft_weights(drafter, target).modules
+    except BaseException:
+        handle.restore()
+        raise
+    return handle
+
+
 @torch.no_grad()
 def _check_against_stock(module: torch.nn.Module, handle: PackedLinears) -> None:
-    """Refuse a packed kernel that computes something else than ``F.linear`` (over 1, 5 and ``max_rows`` rows)."""
+    """Refuse a packed kernel that computes something else than ``F.linear`` (over 1, 5 and ``max_rows`` rows; bf16
+    layers against ``F.linear`` on bf16-rounded inputs and weights, to bf16's precision)."""
     generator = torch.Generator().manual_seed(0)
-    for rows in sorted({1, 5, module._hf_specdec_packed.max_rows}):
+    state = module._hf_specdec_packed
+    tolerance = 1e-4 if state.dtype == torch.float32 else 1e-2
+    for rows in sorted({1, 5, min(state.max_rows, DEFAULT_MAX_ROWS)}):
         x = torch.randn(rows, module.in_features, generator=generator)
-        expected = F.linear(x, module.weight, module.bias)
+        rounded = [None if t is None else t.to(state.dtype).float() for t in (x, module.weight, module.bias)]
+        expected = F.linear(*rounded)
         scale = float(expected.abs().max()) or 1.0
-        if not torch.allclose(module(x), expected, rtol=0, atol=1e-4 * scale):
+        if not torch.allclose(module(x), expected, rtol=0, atol=tolerance * scale):
             handle.restore()
             raise RuntimeError(
                 f"oneDNN's packed linear kernel disagrees with F.linear over {rows} rows on this machine; leave the "
-                "target's layers as they are and report your torch version and CPU."
+                "model's layers as they are and report your torch version and CPU."
             )
 
 

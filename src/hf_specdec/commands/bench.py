@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .common import add_linear_kernels_flag, add_target_args, json_or_text, load_target
+from .common import add_kernels_flags, add_target_args, json_or_text, load_target
 
 
 def _demo_target_of(args):
@@ -313,6 +313,7 @@ def _bench(args) -> int:
         schemas=schemas,
         schema_options=schema_options,
         linear_kernels=args.linear_kernels,
+        draft_kernels=args.draft_kernels,
     )
     paths = write_report(report, args.out, stem=args.stem)
     print(format_console_table(report))
@@ -527,7 +528,7 @@ def _add_bench_parser(sub) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    add_linear_kernels_flag(p)
+    add_kernels_flags(p)
     p.add_argument("--out", default="bench-results")
     p.add_argument("--stem", default="bench", help="file name stem of the outputs")
     p.set_defaults(func=_bench)

@@ -29,8 +29,9 @@ def add_target_args(p, optional_target_help: str | None = None) -> None:
     p.add_argument("--device-map", default=None, help='accelerate placement of the target, e.g. "auto"')
 
 
-def add_linear_kernels_flag(p) -> None:
-    """``--linear-kernels``: how the target's fp32 CPU linear layers compute for a timed run."""
+def add_kernels_flags(p) -> None:
+    """``--linear-kernels`` and ``--draft-kernels``: how the target's and the drafters' fp32 CPU linear layers
+    compute for a timed run."""
     p.add_argument(
         "--linear-kernels",
         choices=["packed", "stock"],
@@ -38,6 +39,14 @@ def add_linear_kernels_flag(p) -> None:
         help="packed (default): the target's fp32 CPU linear layers compute passes over 1-64 tokens with weights "
         "packed once for oneDNN, for plain and speculative runs alike (a pass over a few tokens then costs about "
         "what a one-token step costs); stock: the layers as they are",
+    )
+    p.add_argument(
+        "--draft-kernels",
+        choices=["bf16", "stock"],
+        default="bf16",
+        help="bf16 (default): the drafters' (and assistant models') fp32 CPU linear layers compute in bf16 with "
+        "weights packed once for oneDNN, where the CPU can (a draft step costs less; the output is unchanged, the "
+        "target verifies every token); stock: the layers as they are",
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_linear_kernels_flag
+from .common import add_kernels_flags
 
 
 def _demo(args) -> int:
@@ -25,6 +25,7 @@ def _demo(args) -> int:
         target=args.target,
         dtype=args.dtype,
         linear_kernels=args.linear_kernels,
+        draft_kernels=args.draft_kernels,
     )
     return 0 if summary["identical_up_to_near_ties"] else 1
 
@@ -64,7 +65,7 @@ def add_parsers(sub) -> None:
     )
     p.add_argument("--out", default=".", help="folder for demo_report.json / .png")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    add_linear_kernels_flag(p)
+    add_kernels_flags(p)
     p.add_argument(
         "--train",
         action="store_true",
