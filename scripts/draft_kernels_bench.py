@@ -19,10 +19,14 @@ Writes ``model_cards/results/{smollm2,demo-code}-draft-kernels.{json,md,png}`` (
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from results_files import demo_bench_args, demo_bench_prompts, write_bench_report  # noqa: E402
 
 
 def methods(drafter_path: str, num_draft_tokens: int | None):
@@ -42,18 +46,10 @@ def methods(drafter_path: str, num_draft_tokens: int | None):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="smollm2", choices=["smollm2", "demo-code"])
-    p.add_argument("--max-prompts", type=int, default=2, help="prompts per category (smollm2: Spec-Bench)")
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    demo_bench_args(p, "draft-kernels")
     p.add_argument("--k", type=int, default=None, help="draft tokens of the fixed chain (default: the drafter's)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="model_cards/results")
-    p.add_argument("--stem", default=None, help="default: TARGET-draft-kernels")
     args = p.parse_args(argv)
 
-    from hf_specdec.bench.prompts import load_prompts
-    from hf_specdec.bench.report import category_table, format_console_table, write_report
     from hf_specdec.bench.runner import run_benchmark
     from hf_specdec.demo import demo_drafter_path, get_demo_target
 
@@ -61,9 +57,7 @@ def main(argv=None) -> int:
     spec = get_demo_target(args.target)
     target, tokenizer = spec.load(dtype="float32")
     rows, packed = methods(demo_drafter_path(spec), args.k)
-    prompts = load_prompts(
-        "spec-bench" if args.target == "smollm2" else spec.prompts, max_per_category=args.max_prompts
-    )
+    prompts = demo_bench_prompts(spec, args.max_prompts)
     report = run_benchmark(
         target,
         tokenizer,
@@ -78,11 +72,7 @@ def main(argv=None) -> int:
             "command": "python scripts/draft_kernels_bench.py " + shlex.join(sys.argv[1:] if argv is None else argv),
         },
     )
-    paths = write_report(report, args.out, stem=args.stem or f"{args.target}-draft-kernels")
-    print(format_console_table(report))
-    if len(report["config"]["categories"]) > 1:
-        print("\n" + category_table(report, mode="greedy", batch_size=1))
-    print("\n".join(f"wrote {p}" for p in paths.values() if p))
+    write_bench_report(report, args.out, args.stem or f"{args.target}-draft-kernels")
     return 0
 
 

@@ -24,10 +24,14 @@ Writes ``model_cards/results/{smollm2,demo-code}-linear-kernels.{json,md,png}`` 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from results_files import demo_bench_args, demo_bench_prompts, write_bench_report  # noqa: E402
 
 
 def methods(target_copy, drafter_path: str):
@@ -46,18 +50,10 @@ def methods(target_copy, drafter_path: str):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="smollm2", choices=["smollm2", "demo-code"])
-    p.add_argument("--max-prompts", type=int, default=2, help="prompts per category (smollm2: Spec-Bench)")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="model_cards/results")
-    p.add_argument("--stem", default=None, help="default: TARGET-linear-kernels")
+    demo_bench_args(p, "linear-kernels")
     args = p.parse_args(argv)
 
     from hf_specdec import pack_linear_weights
-    from hf_specdec.bench.prompts import load_prompts
-    from hf_specdec.bench.report import category_table, format_console_table, write_report
     from hf_specdec.bench.runner import run_benchmark
     from hf_specdec.demo import demo_drafter_path, get_demo_target
 
@@ -66,9 +62,7 @@ def main(argv=None) -> int:
     target, tokenizer = spec.load(dtype="float32")
     target_copy, _ = spec.load(dtype="float32")
     packed = pack_linear_weights(target_copy)
-    prompts = load_prompts(
-        "spec-bench" if args.target == "smollm2" else spec.prompts, max_per_category=args.max_prompts
-    )
+    prompts = demo_bench_prompts(spec, args.max_prompts)
     report = run_benchmark(
         target,
         tokenizer,
@@ -83,11 +77,7 @@ def main(argv=None) -> int:
             "command": "python scripts/linear_kernels_bench.py " + shlex.join(sys.argv[1:] if argv is None else argv),
         },
     )
-    paths = write_report(report, args.out, stem=args.stem or f"{args.target}-linear-kernels")
-    print(format_console_table(report))
-    if len(report["config"]["categories"]) > 1:
-        print("\n" + category_table(report, mode="greedy", batch_size=1))
-    print("\n".join(f"wrote {p}" for p in paths.values() if p))
+    write_bench_report(report, args.out, args.stem or f"{args.target}-linear-kernels")
     return 0
 
 
