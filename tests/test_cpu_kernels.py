@@ -179,7 +179,7 @@ def test_a_bf16_drafter_leaves_greedy_output_identical_and_the_target_alone(pack
     plain = target.generate(**batch, max_new_tokens=16, do_sample=False)
     drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3)).eval()
     drafter.lm_head.weight = target.lm_head.weight  # shared with the target: never packed in bf16
-    with draft_kernels_for([drafter, None, drafter], "bf16", target) as packed:
+    with draft_kernels_for([drafter, None, drafter, target], "bf16", [target]) as packed:
         assert len(packed) == len(_plain_linears(drafter)) - 1
         assert "forward" not in drafter.lm_head.__dict__
         assert all("forward" not in m.__dict__ for m in target.modules())
@@ -194,13 +194,13 @@ def test_a_bf16_drafter_leaves_greedy_output_identical_and_the_target_alone(pack
 def test_draft_kernel_options_and_cpus_without_bf16(monkeypatch):
     target, drafter = make_target(seed=1), torch.nn.Linear(8, 8)
     with pytest.raises(ValueError, match="bf16, stock"):
-        draft_kernels_for([drafter], "fp16", target)
-    assert len(draft_kernels_for([drafter], "stock", target)) == 0
+        draft_kernels_for([drafter], "fp16", [target])
+    assert len(draft_kernels_for([drafter], "stock", [target])) == 0
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     assert not cpu_kernels.bf16_linears_supported()
     with pytest.raises(RuntimeError, match="no oneDNN bf16 linear kernels"):
         pack_draft_weights(drafter)
-    assert len(draft_kernels_for([drafter], "bf16", target)) == 0 and "forward" not in drafter.__dict__
+    assert len(draft_kernels_for([drafter], "bf16", [target])) == 0 and "forward" not in drafter.__dict__
 
 
 @pytest.fixture

@@ -227,18 +227,19 @@ def linear_kernels_for(model: torch.nn.Module, kernels: str) -> PackedLinears:
     return pack_linear_weights(model)
 
 
-def draft_kernels_for(drafters: list[torch.nn.Module], kernels: str, target: torch.nn.Module) -> PackedLinears:
-    """``kernels="bf16"``: :func:`pack_draft_weights` on each drafter (or assistant model) where this build and CPU
-    can (an empty handle where they cannot); ``"stock"``: nothing packed. What ``hf-specdec bench`` / ``demo`` apply
-    to the drafters for the length of a run (``--draft-kernels``)."""
+def draft_kernels_for(drafters: list, kernels: str, targets: list[torch.nn.Module]) -> PackedLinears:
+    """``kernels="bf16"``: :func:`pack_draft_weights` on each drafter (or assistant model; ``None`` entries are
+    skipped), leaving alone every weight one of ``targets`` holds, where this build and CPU can (an empty handle where
+    they cannot); ``"stock"``: nothing packed. What ``hf-specdec bench`` / ``demo`` apply to the drafters for the
+    length of a run (``--draft-kernels``)."""
     if kernels not in DRAFT_KERNELS:
         raise ValueError(f"draft kernels must be one of {', '.join(DRAFT_KERNELS)}, got {kernels!r}.")
     if kernels == "stock" or not bf16_linears_supported():
         return PackedLinears([])
-    handle = PackedLinears([])
+    handle, held = PackedLinears([]), torch.nn.ModuleList(targets)
     try:
-        for drafter in {id(d): d for d in drafters if d is not None and d is not target}.values():
-            handle.modules += pack_draft_weights(drafter, target).modules
+        for drafter in {id(d): d for d in drafters if d is not None and all(d is not t for t in targets)}.values():
+            handle.modules += pack_draft_weights(drafter, held).modules
     except BaseException:
         handle.restore()
         raise
@@ -247,8 +248,8 @@ def draft_kernels_for(drafters: list[torch.nn.Module], kernels: str, target: tor
 
 @torch.no_grad()
 def _check_against_stock(module: torch.nn.Module, handle: PackedLinears) -> None:
-    """Refuse a packed kernel that computes something else than ``F.linear`` (over 1, 5 and ``max_rows`` rows; bf16
-    layers against ``F.linear`` on bf16-rounded inputs and weights, to bf16's precision)."""
+    """Refuse a packed kernel that computes something else than ``F.linear`` (over 1, 5 and ``max_rows`` rows, at most
+    64; bf16 layers against ``F.linear`` on bf16-rounded inputs and weights, to bf16's precision)."""
     generator = torch.Generator().manual_seed(0)
     state = module._hf_specdec_packed
     tolerance = 1e-4 if state.dtype == torch.float32 else 1e-2

@@ -483,10 +483,10 @@ def run_benchmark(
             ``"stock"``: the drafters as they are. The config's ``draft_kernels`` records which.
     """
     _check_arguments(prompts, methods, max_new_tokens, repeats, warmup, batch_sizes, temperatures)
-    drafters = [m.model for m in methods]
+    drafters, targets = [m.model for m in methods], [target] + [m.target for m in methods if m.target is not None]
     with (
         linear_kernels_for(target, linear_kernels) as packed,
-        draft_kernels_for(drafters, draft_kernels, target) as draft_packed,
+        draft_kernels_for(drafters, draft_kernels, targets) as draft_packed,
         grouped_query_sdpa(target) as grouped,
     ):
         packed_layers, draft_layers = len(packed), len(draft_packed)
