@@ -100,12 +100,16 @@ class _PackedWeight:
 
     def compute(self, x: torch.Tensor, rows: int, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` over ``rows`` rows with the packed copy, in ``x``'s dtype."""
-        flat = x.reshape(rows, x.shape[-1]).to(self.dtype)
+        converts = self.dtype != x.dtype  # bf16 copies only: an fp32 step's calls skip three no-op casts each
+        flat = x.reshape(rows, x.shape[-1])
+        flat = flat.to(self.dtype) if converts else flat
         if rows < self.min_rows:
             flat = torch.cat([flat, flat.new_zeros(self.min_rows - rows, flat.shape[-1])])
-        bias = None if bias is None else bias.to(self.dtype)
+        if converts and bias is not None:
+            bias = bias.to(self.dtype)
         out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.packed, bias, "none", [], "")[:rows]
-        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+        out = out.to(x.dtype) if converts else out
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def current(self, weight: torch.Tensor, x: torch.Tensor) -> bool:
         """Whether the packed copy may compute this call: the same weight, unchanged (not written in place, its
