@@ -162,7 +162,7 @@ def test_bench_and_demo_commands(tmp_path, monkeypatch):
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert report["config"]["linear_kernels"].startswith("packed (")  # the default, for every method alike
     assert report["config"]["attention"] == "sdpa, grouped-query kernel for every call"  # 6 heads over 2 K/V heads
-    expected = "bf16, packed (" if cpu_kernels.bf16_linears_supported() else "stock"  # the default, where it can
+    expected = "int8, packed (" if cpu_kernels.int8_linears_supported() else "stock"  # the default, where it can
     assert report["config"]["draft_kernels"].startswith(expected)
 
     # the demo drafts every pass here (its adaptive length reads the clock and may run plain steps on a loaded machine)

@@ -1,4 +1,6 @@
-"""Packed oneDNN linear kernels for the target's passes (hf_specdec.cpu_kernels)."""
+"""Packed oneDNN linear kernels for the target's passes, cheaper drafter weights (hf_specdec.cpu_kernels)."""
+
+import functools
 
 import pytest
 import torch
@@ -139,12 +141,19 @@ def test_bad_options_and_builds_without_the_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "pack, error", [(pack_linear_weights, 1e-2), pytest.param(pack_draft_weights, 0.2, marks=needs_bf16)]
+    "pack, kernel, error",
+    [
+        (pack_linear_weights, (torch.ops.mkldnn, "_linear_pointwise"), 1e-2),
+        pytest.param(pack_draft_weights, (torch.ops.mkldnn, "_linear_pointwise"), 0.2, marks=needs_bf16),
+        pytest.param(
+            functools.partial(pack_draft_weights, weights="int8"), (torch, "_weight_int8pack_mm"), 0.2, marks=needs_bf16
+        ),  # fmt: skip
+    ],
 )
-def test_a_kernel_that_disagrees_with_linear_is_refused(monkeypatch, pack, error):
+def test_a_kernel_that_disagrees_with_linear_is_refused(monkeypatch, pack, kernel, error):
     model = make_target(seed=1)
-    real = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: real(*args) + error)
+    real = getattr(*kernel)
+    monkeypatch.setattr(*kernel, lambda *args: real(*args) + error)
     with pytest.raises(RuntimeError, match="disagrees with F.linear"):
         pack(model)
     assert all("forward" not in m.__dict__ for m in _plain_linears(model))
@@ -172,35 +181,80 @@ def test_draft_layers_compute_in_bf16_over_any_rows(packed_calls):
     assert "forward" not in layer.__dict__
 
 
+@pytest.fixture
+def int8_calls(monkeypatch):
+    """Counts the rows of every call that reaches the weight-only int8 kernel."""
+    calls, real = [], torch._weight_int8pack_mm
+
+    def counting(x, weight, scales):
+        calls.append(x.shape[0])
+        return real(x, weight, scales)
+
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", counting)
+    return calls
+
+
 @needs_bf16
-def test_a_bf16_drafter_leaves_greedy_output_identical_and_the_target_alone(packed_calls):
+def test_int8_draft_layers_read_int8_weights_over_one_or_two_rows(packed_calls, int8_calls):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80)
+    with pack_draft_weights(layer, weights="int8") as packed, torch.no_grad():
+        assert len(packed) == 1
+        for shape in [(1, 48), (1, 2, 48), (3, 48), (3, 5, 48), (300, 48)]:
+            x = torch.randn(*shape)
+            before = (len(int8_calls), len(packed_calls))
+            out = layer(x)
+            rows = x.numel() // 48  # one or two rows (draft steps): the int8 kernel; more: the bf16 one
+            assert (len(int8_calls) - before[0], len(packed_calls) - before[1]) == ((1, 0) if rows <= 2 else (0, 1))
+            expected = F.linear(x, layer.weight, layer.bias)
+            assert out.dtype == torch.float32 and out.shape == expected.shape
+            error = float((out - expected).abs().max() / expected.abs().max())
+            assert 0 < error < 0.02  # int8 or bf16 weights, bf16 inputs, the bias added: close to the fp32 layer
+        before = len(int8_calls)
+        layer.weight.mul_(2.0)  # changed after packing: the stock layer, never the stale copy
+        x = torch.randn(1, 48)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert len(int8_calls) == before
+    assert "forward" not in layer.__dict__
+
+
+@needs_bf16
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_a_cheaper_drafter_leaves_greedy_output_identical_and_the_target_alone(packed_calls, int8_calls, weights):
     target = make_target(seed=3)
     batch = _batch(2, length=9, seed=4)
     plain = target.generate(**batch, max_new_tokens=16, do_sample=False)
     drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3)).eval()
-    drafter.lm_head.weight = target.lm_head.weight  # shared with the target: never packed in bf16
-    with draft_kernels_for([drafter, None, drafter, target], "bf16", [target]) as packed:
+    drafter.lm_head.weight = target.lm_head.weight  # shared with the target: never packed
+    with draft_kernels_for([drafter, None, drafter, target], weights, [target]) as packed:
         assert len(packed) == len(_plain_linears(drafter)) - 1
         assert "forward" not in drafter.lm_head.__dict__
         assert all("forward" not in m.__dict__ for m in target.modules())
-        packed_calls.clear()
+        calls = packed_calls if weights == "bf16" else int8_calls
+        calls.clear()
         spec = target.generate(**batch, max_new_tokens=16, do_sample=False, assistant_model=drafter,
                                draft_length="fixed")  # fmt: skip
-        assert packed_calls, "the drafter's layers never reached the bf16 kernel"
+        assert calls, f"the drafter's layers never reached the {weights} kernel"
     assert torch.equal(spec, plain)
     assert all("forward" not in m.__dict__ for m in drafter.modules())
 
 
-def test_draft_kernel_options_and_cpus_without_bf16(monkeypatch):
+def test_draft_kernel_options_and_cpus_without_them(monkeypatch):
     target, drafter = make_target(seed=1), torch.nn.Linear(8, 8)
-    with pytest.raises(ValueError, match="bf16, stock"):
+    with pytest.raises(ValueError, match="bf16, int8, stock"):
         draft_kernels_for([drafter], "fp16", [target])
+    with pytest.raises(ValueError, match="bf16, int8"):
+        pack_draft_weights(drafter, weights="int4")
     assert len(draft_kernels_for([drafter], "stock", [target])) == 0
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     assert not cpu_kernels.bf16_linears_supported()
-    with pytest.raises(RuntimeError, match="no oneDNN bf16 linear kernels"):
+    with pytest.raises(RuntimeError, match="no bf16 linear kernels"):
         pack_draft_weights(drafter)
     assert len(draft_kernels_for([drafter], "bf16", [target])) == 0 and "forward" not in drafter.__dict__
+    monkeypatch.setattr(cpu_kernels, "int8_linears_supported", lambda: False)
+    with pytest.raises(RuntimeError, match="no int8 linear kernels"):
+        pack_draft_weights(drafter, weights="int8")
+    assert len(draft_kernels_for([drafter], "int8", [target])) == 0 and "forward" not in drafter.__dict__
 
 
 @pytest.fixture

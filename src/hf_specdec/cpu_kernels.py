@@ -21,10 +21,11 @@ a packed target is token-identical to plain decoding on the same packed target (
 
 The packed copies take as much memory as the weights they copy (a tied embedding / LM head is copied once).
 
-:func:`pack_draft_weights` does the same for a drafter, in bf16: its linear layers compute with bf16 weights packed
-for oneDNN, over any number of rows. A drafter's precision decides only how often its tokens are accepted, never the
-output, and a one-token draft step is bound by reading the drafter's weights with PyTorch's one-thread fp32
-matrix-vector kernel; in bf16 it costs about two thirds of that on the AMD VM.
+:func:`pack_draft_weights` does the same for a drafter, with cheaper weights: its linear layers compute with bf16
+weights packed for oneDNN, over any number of rows, and optionally with int8 weights for the one-row calls of draft
+steps. A drafter's precision decides only how often its tokens are accepted, never the output, and a one-token draft
+step is bound by reading the drafter's weights with PyTorch's one-thread fp32 matrix-vector kernel; in bf16 it costs
+about two thirds of that on the AMD VM, and int8 weights are half as many bytes again.
 
 :func:`grouped_query_sdpa` is the attention's part. A target with fewer key/value heads than query heads (SmolLM2:
 3 and 9) is computed by transformers' SDPA attention with ``enable_gqa`` only where the call has no mask; a call with
@@ -51,6 +52,7 @@ import torch.nn.functional as F
 
 DEFAULT_MAX_ROWS = 64
 PACKING_ROWS_HINT = 6  # the rows oneDNN lays the packed weight out for; level from 1 to 64 rows
+INT8_MAX_ROWS = 2  # calls over more rows cost less with bf16 weights than with the one-row int8 kernel
 MIN_KERNEL_ROWS = 3  # fewer rows are padded to this many: oneDNN's kernel for 2 rows costs about 1.2 of its 3-row one
 
 
@@ -76,11 +78,10 @@ def _packable(module: torch.nn.Module) -> bool:
 
 
 def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
-    state = self._hf_specdec_packed
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows < 1 or rows > state.max_rows or not state.current(self.weight, x):
-        return F.linear(x, self.weight, self.bias)
-    return state.compute(x, rows, self.bias)
+    state, weight = self._hf_specdec_packed, self.weight
+    if state.serves(weight, x):
+        return state.compute(x, self.bias)
+    return F.linear(x, weight, self.bias)
 
 
 class _PackedWeight:
@@ -94,28 +95,47 @@ class _PackedWeight:
         self.dtype = dtype
         # oneDNN's fp32 kernels for one and two rows are slower than its three-row one; its bf16 ones are not
         self.min_rows = MIN_KERNEL_ROWS if dtype == torch.float32 else 1
-        hint = PACKING_ROWS_HINT if dtype == torch.float32 else 1
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), hint)
+            self.packed = self._packed_copy(weight.detach())
 
-    def compute(self, x: torch.Tensor, rows: int, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` over ``rows`` rows with the packed copy, in ``x``'s dtype."""
-        converts = self.dtype != x.dtype  # bf16 copies only: an fp32 step's calls skip three no-op casts each
-        flat = x.reshape(rows, x.shape[-1])
-        flat = flat.to(self.dtype) if converts else flat
-        if rows < self.min_rows:
-            flat = torch.cat([flat, flat.new_zeros(self.min_rows - rows, flat.shape[-1])])
-        if converts and bias is not None:
-            bias = bias.to(self.dtype)
-        out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.packed, bias, "none", [], "")[:rows]
-        out = out.to(x.dtype) if converts else out
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+    def _packed_copy(self, weight: torch.Tensor):
+        hint = PACKING_ROWS_HINT if self.dtype == torch.float32 else 1
+        return torch.ops.mkldnn._reorder_linear_weight(weight.to(self.dtype).contiguous(), hint)
 
-    def current(self, weight: torch.Tensor, x: torch.Tensor) -> bool:
-        """Whether the packed copy may compute this call: the same weight, unchanged (not written in place, its
-        ``.data`` not swapped, not moved off the CPU), an fp32 CPU input, no gradients or autocast wanted."""
+    def compute(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` with the packed copy, in ``x``'s dtype (a call :meth:`serves`)."""
+        if self.dtype != x.dtype:  # bf16 copies: the input and bias in, the output back
+            bias = None if bias is None else bias.to(self.dtype)
+            return self._kernel(x.to(self.dtype), bias).to(x.dtype)
+        rows = x.numel() // x.shape[-1]
+        if rows >= self.min_rows:
+            return self._kernel(x, bias)
+        flat = torch.constant_pad_nd(x.reshape(rows, x.shape[-1]), (0, 0, 0, self.min_rows - rows))
+        return self._kernel(flat, bias)[:rows].reshape(*x.shape[:-1], -1)
+
+    def _kernel(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
+
+    tolerances = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+
+    @property
+    def tolerance(self) -> float:
+        """How far from :meth:`reference` a correct kernel may land, relative to the result's largest entry."""
+        return self.tolerances[self.dtype]
+
+    def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """What :meth:`compute` should give: ``F.linear`` on ``x``, the weight and the bias rounded to ``dtype``."""
+        return F.linear(*[None if t is None else t.to(self.dtype).float() for t in (x, self.weight, bias)])
+
+    def serves(self, weight: torch.Tensor, x: torch.Tensor) -> bool:
+        """Whether the packed copy may compute this call: 1 to ``max_rows`` rows of an fp32 CPU input, the same
+        weight, unchanged (not written in place, its ``.data`` not swapped, not moved off the CPU), no gradients or
+        autocast wanted."""
+        width = x.shape[-1] if x.dim() else 0
         return (
             weight is self.weight
+            and width > 0
+            and 1 <= x.numel() // width <= self.max_rows
             and weight._version == self.version
             and weight.data_ptr() == self.storage
             and x.dtype == torch.float32
@@ -123,6 +143,34 @@ class _PackedWeight:
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
             and not torch.is_autocast_enabled("cpu")
         )
+
+
+class _Int8Weight(_PackedWeight):
+    """One layer's bf16 packed copy, plus its weight in int8 with one bf16 scale per output row for PyTorch's
+    weight-only int8 kernel (``torch._weight_int8pack_mm``; inputs stay bf16). A call over one or two rows (a draft
+    step) reads the int8 weight, half the bytes of bf16; over more rows (a pass over accepted tokens, a prompt) the
+    bf16 kernel, whose cost grows far less with the rows, computes."""
+
+    def __init__(self, weight: torch.Tensor, max_rows: int):
+        super().__init__(weight, max_rows, torch.bfloat16)
+        with torch.no_grad():
+            w = weight.detach().float()
+            self.scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-30).to(torch.bfloat16)
+            self.int8 = torch.round(w / self.scales.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+
+    def compute(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows > INT8_MAX_ROWS:
+            return super().compute(x, bias)
+        out = torch._weight_int8pack_mm(x.reshape(rows, x.shape[-1]).to(torch.bfloat16), self.int8, self.scales)
+        out = out.to(x.dtype).reshape(*x.shape[:-1], -1)
+        return out if bias is None else out + bias
+
+    def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.numel() // x.shape[-1] > INT8_MAX_ROWS:
+            return super().reference(x, bias)
+        weight = self.int8.float() * self.scales.float()[:, None]
+        return F.linear(x.to(torch.bfloat16).float(), weight, bias)
 
 
 class PackedLinears:
@@ -170,40 +218,53 @@ def pack_linear_weights(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS
         )
     if int(max_rows) < 1:
         raise ValueError(f"max_rows must be at least 1, got {max_rows}.")
-    return _pack([m for m in model.modules() if _packable(m)], int(max_rows), torch.float32)
+    max_rows = int(max_rows)
+    return _pack([m for m in model.modules() if _packable(m)], lambda weight: _PackedWeight(weight, max_rows))
 
 
-def pack_draft_weights(drafter: torch.nn.Module, target: torch.nn.Module | None = None) -> PackedLinears:
-    """Compute a drafter's fp32 CPU ``nn.Linear`` layers in bf16, with weights rounded to bf16 and packed once for
-    oneDNN, over any number of rows; their outputs come back in fp32, and everything else stays fp32.
+def pack_draft_weights(
+    drafter: torch.nn.Module, target: torch.nn.Module | None = None, weights: str = "bf16"
+) -> PackedLinears:
+    """Compute a drafter's fp32 CPU ``nn.Linear`` layers with cheaper weights, over any number of rows; their outputs
+    come back in fp32, and everything else stays fp32.
+
+    - ``weights="bf16"``: weights rounded to bf16 and packed once for oneDNN; inputs rounded to bf16.
+    - ``weights="int8"``: the same, and besides, weights in int8 with one bf16 scale per output row for PyTorch's
+      weight-only int8 kernel (``torch._weight_int8pack_mm``; inputs stay bf16), which computes calls over one or two
+      rows (draft steps): half the bytes of bf16 to read. Calls over more rows use the bf16 copy, which costs less
+      there. Only weights are rounded to int8: a layer that reads the target's hidden states, whose few large
+      channels would swamp an int8 input, loses nothing more than in bf16.
 
     A drafter's precision changes only how often its tokens are accepted, never what the target outputs: greedy
     decoding stays token-identical to plain decoding and sampling stays lossless, since the target verifies every
     token against the draft probabilities the drafter actually used. On a CPU a one-token draft step is bound by
-    reading the drafter's weights, and PyTorch's fp32 matrix-vector kernel uses one thread, so bf16 weights in
-    oneDNN's layout cost less: on the 2-core AMD VM the shipped SmolLM2 drafter's draft cost ratio fell from 0.06 to
-    0.04 of a target step, with the same τ (``model_cards/results/smollm2-draft-kernels.md``). Never use it on a
-    target.
+    reading the drafter's weights, and PyTorch's fp32 matrix-vector kernel uses one thread, so smaller weights in a
+    kernel's own layout cost less: on the 2-core AMD VM the shipped SmolLM2 drafter's draft cost ratio fell from 0.06 to
+    0.04 of a target step in bf16, with the same τ (``model_cards/results/smollm2-draft-kernels.md``). Never use it on
+    a target.
 
     Layers are chosen as :func:`pack_linear_weights` chooses them; a layer whose weight is also one of ``target``'s
     parameters (a head or embedding the drafter shares with it) is left alone.
 
     Raises:
-        RuntimeError: this PyTorch build or CPU has no oneDNN bf16 kernels (:func:`bf16_linears_supported`), or the
-            kernel disagrees with ``F.linear`` on bf16-rounded inputs (checked once on a layer).
+        ValueError: ``weights`` is not one of ``"bf16"``, ``"int8"``.
+        RuntimeError: this PyTorch build or CPU has no such kernels (:func:`bf16_linears_supported`,
+            :func:`int8_linears_supported`), or the kernel disagrees with ``F.linear`` (checked once on a layer).
     """
-    if not bf16_linears_supported():
+    if weights not in _DRAFT_WEIGHTS:
+        raise ValueError(f"draft weights must be one of {', '.join(_DRAFT_WEIGHTS)}, got {weights!r}.")
+    if not _draft_weights_supported(weights):
         raise RuntimeError(
-            "this PyTorch build or CPU has no oneDNN bf16 linear kernels; leave the drafter's layers as they are."
+            f"this PyTorch build or CPU has no {weights} linear kernels; leave the drafter's layers as they are."
         )
     shared = {id(p) for p in target.parameters()} if target is not None else set()
     modules = [m for m in drafter.modules() if _packable(m) and id(m.weight) not in shared]
-    return _pack(modules, sys.maxsize, torch.bfloat16)
+    return _pack(modules, lambda weight: _DRAFT_WEIGHTS[weights](weight, sys.maxsize))
 
 
-def _pack(modules: list[torch.nn.Module], max_rows: int, dtype: torch.dtype) -> PackedLinears:
+def _pack(modules: list[torch.nn.Module], packed_copy) -> PackedLinears:
     for module in modules:
-        module._hf_specdec_packed = _PackedWeight(module.weight, max_rows, dtype)
+        module._hf_specdec_packed = packed_copy(module.weight)
         module.forward = types.MethodType(_packed_forward, module)
     handle = PackedLinears(modules)
     if modules:
@@ -216,8 +277,25 @@ def bf16_linears_supported() -> bool:
     return packed_linears_supported() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def int8_linears_supported() -> bool:
+    """Whether this build has PyTorch's weight-only int8 linear kernel for the CPU, and oneDNN's bf16 kernels besides
+    (:func:`pack_draft_weights` with ``weights="int8"``)."""
+    return hasattr(torch, "_weight_int8pack_mm") and bf16_linears_supported()
+
+
+_DRAFT_WEIGHTS = {  # the kinds of cheaper drafter weights: the copy of one layer's weight
+    "bf16": functools.partial(_PackedWeight, dtype=torch.bfloat16),
+    "int8": _Int8Weight,
+}
+
+
+def _draft_weights_supported(weights: str) -> bool:
+    return bf16_linears_supported() if weights == "bf16" else int8_linears_supported()
+
+
 LINEAR_KERNELS = ("packed", "stock")
-DRAFT_KERNELS = ("bf16", "stock")
+DRAFT_KERNELS = (*_DRAFT_WEIGHTS, "stock")
+DEFAULT_DRAFT_KERNELS = "int8"  # what bench and demo give drafters unless told otherwise (smollm2-draft-kernels-int8.md)
 
 
 def linear_kernels_for(model: torch.nn.Module, kernels: str) -> PackedLinears:
@@ -232,18 +310,18 @@ def linear_kernels_for(model: torch.nn.Module, kernels: str) -> PackedLinears:
 
 
 def draft_kernels_for(drafters: list, kernels: str, targets: list[torch.nn.Module]) -> PackedLinears:
-    """``kernels="bf16"``: :func:`pack_draft_weights` on each drafter (or assistant model; ``None`` entries are
-    skipped), leaving alone every weight one of ``targets`` holds, where this build and CPU can (an empty handle where
-    they cannot); ``"stock"``: nothing packed. What ``hf-specdec bench`` / ``demo`` apply to the drafters for the
-    length of a run (``--draft-kernels``)."""
+    """``kernels="bf16"`` or ``"int8"``: :func:`pack_draft_weights` with those weights on each drafter (or assistant
+    model; ``None`` entries are skipped), leaving alone every weight one of ``targets`` holds, where this build and CPU
+    can (an empty handle where they cannot); ``"stock"``: nothing packed. What ``hf-specdec bench`` / ``demo`` apply to
+    the drafters for the length of a run (``--draft-kernels``)."""
     if kernels not in DRAFT_KERNELS:
         raise ValueError(f"draft kernels must be one of {', '.join(DRAFT_KERNELS)}, got {kernels!r}.")
-    if kernels == "stock" or not bf16_linears_supported():
+    if kernels == "stock" or not _draft_weights_supported(kernels):
         return PackedLinears([])
     handle, held = PackedLinears([]), torch.nn.ModuleList(targets)
     try:
         for drafter in {id(d): d for d in drafters if d is not None and all(d is not t for t in targets)}.values():
-            handle.modules += pack_draft_weights(drafter, held).modules
+            handle.modules += pack_draft_weights(drafter, held, kernels).modules
     except BaseException:
         handle.restore()
         raise
@@ -253,20 +331,19 @@ def draft_kernels_for(drafters: list, kernels: str, targets: list[torch.nn.Modul
 @torch.no_grad()
 def _check_against_stock(module: torch.nn.Module, handle: PackedLinears) -> None:
     """Refuse a packed kernel that computes something else than ``F.linear`` (over 1, 5 and ``max_rows`` rows, at most
-    64; bf16 layers against ``F.linear`` on bf16-rounded inputs and weights, to bf16's precision)."""
+    64; bf16 layers against ``F.linear`` on bf16-rounded inputs and weights, to bf16's precision; int8 layers' one-row
+    calls against the int8 weights they read)."""
     generator = torch.Generator().manual_seed(0)
     state = module._hf_specdec_packed
-    tolerance = 1e-4 if state.dtype == torch.float32 else 1e-2
     for rows in sorted({1, 5, min(state.max_rows, DEFAULT_MAX_ROWS)}):
         x = torch.randn(rows, module.in_features, generator=generator)
-        rounded = [None if t is None else t.to(state.dtype).float() for t in (x, module.weight, module.bias)]
-        expected = F.linear(*rounded)
+        expected = state.reference(x, module.bias)
         scale = float(expected.abs().max()) or 1.0
-        if not torch.allclose(module(x), expected, rtol=0, atol=tolerance * scale):
+        if not torch.allclose(module(x), expected, rtol=0, atol=state.tolerance * scale):
             handle.restore()
             raise RuntimeError(
-                f"oneDNN's packed linear kernel disagrees with F.linear over {rows} rows on this machine; leave the "
-                "model's layers as they are and report your torch version and CPU."
+                f"the packed {state.dtype} linear kernel disagrees with F.linear over {rows} rows on this machine; "
+                "leave the model's layers as they are and report your torch version and CPU."
             )
 
 

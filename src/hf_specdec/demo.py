@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from .cpu_kernels import DEFAULT_DRAFT_KERNELS
+
 __all__ = [
     "ASSETS",
     "DEMO_TARGET",
@@ -306,7 +308,7 @@ def run_demo(
     target: str = DEFAULT_DEMO_TARGET,
     dtype: str = "float32",
     linear_kernels: str = "packed",
-    draft_kernels: str = "bf16",
+    draft_kernels: str = DEFAULT_DRAFT_KERNELS,
 ) -> dict:
     """Plain ``generate`` against speculative decoding with a demo target's drafter (greedy, batch size 1).
 
@@ -317,7 +319,8 @@ def run_demo(
     ``"float16"``, where they may differ from plain decoding at classified near-ties only: ``identical_up_to_near_ties``).
     ``linear_kernels`` is :func:`~hf_specdec.bench.runner.run_benchmark`'s (``"packed"``: an fp32 target's CPU
     linear layers use oneDNN-packed weights during the timed runs, plain and speculative alike), and so is
-    ``draft_kernels`` (``"bf16"``: the drafter's linear layers compute in bf16 where the CPU can; outputs unchanged).
+    ``draft_kernels`` (``"bf16"`` / ``"int8"``: the drafter's linear layers compute with cheaper weights where the
+    CPU can; outputs unchanged).
 
     Prints a table (and the per-category table when the prompts have several categories) and an example output,
     writes ``demo_report.json`` and ``demo_report.png`` to ``out_dir`` and returns the summary: ``target``,

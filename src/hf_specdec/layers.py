@@ -318,10 +318,12 @@ class RotaryEmbedding(nn.Module):
                 inv_freq = rope_parameters(
                     self.head_dim, self.theta, self.scaling, self.max_position_embeddings, seq_len, position_ids.device
                 )[0]
-        freqs = position_ids.float()[..., None] * inv_freq[None, None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        scale = self.attention_scaling
-        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+        # the angles of both halves at once: position * [inv_freq; inv_freq] (a draft step's few ops add up)
+        emb = position_ids.float()[..., None] * inv_freq.repeat(2)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -461,25 +463,34 @@ def slot_attention(
         attn_mask: ``(batch, T, S)`` bool, an explicit pattern (e.g. tree drafting: each node sees the verified
             slots and its ancestors' slots); replaces ``causal`` and is combined with ``key_valid``.
     """
-    bsz, heads, t, _ = q.shape
-    s = k.shape[2]
+    heads, t = q.shape[1], q.shape[2]
     grouped = k.shape[1] != heads and q.device.type == "cpu" and sdpa_has_enable_gqa()
     if k.shape[1] != heads and not grouped:  # CUDA's masked grouped kernel is the slow math one: copy there
         rep = heads // k.shape[1]
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-    mask = key_valid[:, None, None, :].expand(bsz, 1, t, s)
-    q_slot = torch.arange(s - t, s, device=q.device)
-    k_slot = torch.arange(s, device=q.device)
-    if attn_mask is not None:
-        mask = mask & attn_mask.to(device=q.device, dtype=torch.bool)[:, None]
-    elif causal:
-        mask = mask & (k_slot[None, :] <= q_slot[:, None])[None, None]
-    # A query always sees itself, so rows of pure padding never produce NaNs.
-    mask = mask | (k_slot[None, :] == q_slot[:, None])[None, None]
+    mask = _slot_mask(key_valid, t, causal, attn_mask)
     if grouped:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _slot_mask(key_valid: torch.Tensor, t: int, causal: bool, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """``(batch, 1, t, S)`` what the last ``t`` slots' queries see (see :func:`slot_attention`). A query always sees
+    itself, so rows of pure padding never produce NaNs."""
+    bsz, s = key_valid.shape
+    if t == 1 and attn_mask is None:  # a draft step: the valid slots and itself (a few ops fewer than below)
+        mask = key_valid.clone()
+        mask[:, -1] = True
+        return mask[:, None, None, :]
+    mask = key_valid[:, None, None, :].expand(bsz, 1, t, s)
+    q_slot = torch.arange(s - t, s, device=key_valid.device)
+    k_slot = torch.arange(s, device=key_valid.device)
+    if attn_mask is not None:
+        mask = mask & attn_mask.to(device=key_valid.device, dtype=torch.bool)[:, None]
+    elif causal:
+        mask = mask & (k_slot[None, :] <= q_slot[:, None])[None, None]
+    return mask | (k_slot[None, :] == q_slot[:, None])[None, None]
 
 
 class DraftAttention(nn.Module):

@@ -69,7 +69,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from ..cpu_kernels import draft_kernels_for, grouped_query_sdpa, linear_kernels_for
+from ..cpu_kernels import DEFAULT_DRAFT_KERNELS, draft_kernels_for, grouped_query_sdpa, linear_kernels_for
 from .prompts import PromptItem, render_prompt
 
 __all__ = [
@@ -445,7 +445,7 @@ def run_benchmark(
     schemas: dict[str, dict] | None = None,
     schema_options: dict | None = None,
     linear_kernels: str = "packed",
-    draft_kernels: str = "bf16",
+    draft_kernels: str = DEFAULT_DRAFT_KERNELS,
 ) -> dict:
     """Runs every method on every prompt, interleaved, and returns a report (see :mod:`hf_specdec.bench.report`).
 
@@ -477,10 +477,11 @@ def run_benchmark(
             many layers. Every method runs with :func:`~hf_specdec.cpu_kernels.grouped_query_sdpa` (what the
             speculative loop does itself), so a padded batch's plain baseline attends as the loop does; the config's
             ``attention`` says whether it applied.
-        draft_kernels: ``"bf16"`` (default): for the run, every drafter's and assistant model's fp32 CPU linear
-            layers compute in bf16 with weights packed for oneDNN, where the CPU can
+        draft_kernels: ``"bf16"`` or ``"int8"``: for the run, every drafter's and assistant model's fp32 CPU
+            linear layers compute with those weights, where the CPU can
             (:func:`~hf_specdec.cpu_kernels.pack_draft_weights`: a draft step costs less, the output is unchanged);
-            ``"stock"``: the drafters as they are. The config's ``draft_kernels`` records which.
+            ``"stock"``: the drafters as they are. Default: ``DEFAULT_DRAFT_KERNELS``. The config's
+            ``draft_kernels`` records which.
     """
     _check_arguments(prompts, methods, max_new_tokens, repeats, warmup, batch_sizes, temperatures)
     drafters, targets = [m.model for m in methods], [target] + [m.target for m in methods if m.target is not None]
@@ -518,7 +519,7 @@ def run_benchmark(
         "methods": _describe_methods(bench.methods, bench.reference_of, bench.plain_name),
         "linear_kernels": f"packed ({packed_layers} layers)" if packed_layers else "stock",
         "attention": "sdpa, grouped-query kernel for every call" if grouped else "as loaded",
-        "draft_kernels": f"bf16, packed ({draft_layers} layers)" if draft_layers else "stock",
+        "draft_kernels": f"{draft_kernels}, packed ({draft_layers} layers)" if draft_layers else "stock",
     }
     if schema_options:
         report_config["schema_options"] = dict(schema_options)

@@ -32,6 +32,8 @@ def add_target_args(p, optional_target_help: str | None = None) -> None:
 def add_kernels_flags(p) -> None:
     """``--linear-kernels`` and ``--draft-kernels``: how the target's and the drafters' fp32 CPU linear layers
     compute for a timed run."""
+    from ..cpu_kernels import DEFAULT_DRAFT_KERNELS, DRAFT_KERNELS
+
     p.add_argument(
         "--linear-kernels",
         choices=["packed", "stock"],
@@ -42,11 +44,12 @@ def add_kernels_flags(p) -> None:
     )
     p.add_argument(
         "--draft-kernels",
-        choices=["bf16", "stock"],
-        default="bf16",
-        help="bf16 (default): the drafters' (and assistant models') fp32 CPU linear layers compute in bf16 with "
-        "weights packed once for oneDNN, where the CPU can (a draft step costs less; the output is unchanged, the "
-        "target verifies every token); stock: the layers as they are",
+        choices=DRAFT_KERNELS,
+        default=DEFAULT_DRAFT_KERNELS,
+        help=f"bf16 / int8 (default: {DEFAULT_DRAFT_KERNELS}): the drafters' (and assistant models') fp32 CPU linear "
+        "layers compute with bf16 weights packed once for oneDNN / int8 weights for PyTorch's dynamically quantized "
+        "kernel, where the CPU can (a draft step costs less; the output is unchanged, the target verifies every "
+        "token); stock: the layers as they are",
     )
 
 
