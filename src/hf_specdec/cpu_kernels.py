@@ -295,9 +295,8 @@ def _draft_weights_supported(weights: str) -> bool:
 
 LINEAR_KERNELS = ("packed", "stock")
 DRAFT_KERNELS = (*_DRAFT_WEIGHTS, "stock")
-DEFAULT_DRAFT_KERNELS = (
-    "int8"  # what bench and demo give drafters unless told otherwise (smollm2-draft-kernels-int8.md)
-)
+# what bench and demo give drafters unless told otherwise (model_cards/results/smollm2-draft-kernels-int8.md)
+DEFAULT_DRAFT_KERNELS = "int8"
 
 
 def linear_kernels_for(model: torch.nn.Module, kernels: str) -> PackedLinears:
