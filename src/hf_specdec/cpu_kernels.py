@@ -232,16 +232,16 @@ def pack_draft_weights(
     - ``weights="int8"``: the same, and besides, weights in int8 with one bf16 scale per output row for PyTorch's
       weight-only int8 kernel (``torch._weight_int8pack_mm``; inputs stay bf16), which computes calls over one or two
       rows (draft steps): half the bytes of bf16 to read. Calls over more rows use the bf16 copy, which costs less
-      there. Only weights are rounded to int8: a layer that reads the target's hidden states, whose few large
-      channels would swamp an int8 input, loses nothing more than in bf16.
+      there. Only weights are rounded to int8, not inputs: a layer that reads the target's hidden states, whose few
+      large channels would swamp an int8 input, loses no more than in bf16.
 
     A drafter's precision changes only how often its tokens are accepted, never what the target outputs: greedy
     decoding stays token-identical to plain decoding and sampling stays lossless, since the target verifies every
     token against the draft probabilities the drafter actually used. On a CPU a one-token draft step is bound by
     reading the drafter's weights, and PyTorch's fp32 matrix-vector kernel uses one thread, so smaller weights in a
     kernel's own layout cost less: on the 2-core AMD VM the shipped SmolLM2 drafter's draft cost ratio fell from 0.06 to
-    0.04 of a target step in bf16, with the same τ (``model_cards/results/smollm2-draft-kernels.md``). Never use it on
-    a target.
+    0.04 of a target step in bf16 and to 0.03 with int8 draft steps, with the same τ
+    (``model_cards/results/smollm2-draft-kernels.md``, ``smollm2-draft-kernels-int8.md``). Never use it on a target.
 
     Layers are chosen as :func:`pack_linear_weights` chooses them; a layer whose weight is also one of ``target``'s
     parameters (a head or embedding the drafter shares with it) is left alone.
