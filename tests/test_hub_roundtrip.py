@@ -241,10 +241,19 @@ def test_a_card_from_an_fp32_and_a_bf16_bench_shows_both_with_their_dtype(tmp_pa
     fp32.setdefault("config", {})["target_dtype"] = "float32"
     for r in bf16["records"]:
         r["speedup"], r["identical"], r["identical_up_to_near_ties"] = 1.5, False, True
+    plain_card = str(drafter_card(str(folder), bench=[fp32, bf16], base_model="org/tiny-llama"))
+    assert "on test CPU (cpu, torch " in plain_card and "linear layers" not in plain_card  # reports without kernels
+    fp32["config"].update(linear_kernels="packed (7 layers)", draft_kernels="int8, packed (3 layers)")
+    bf16["config"].update(linear_kernels="stock", draft_kernels="int8, packed (3 layers)")
     card = str(drafter_card(str(folder), bench=[fp32, bf16], base_model="org/tiny-llama"))
     rows = [line for line in card.splitlines() if line.startswith("| ") and "×" in line]
     assert any("| float32 |" in line for line in rows) and any("| bfloat16 |" in line for line in rows)
     assert any("1.50×" in line and "up to classified near-ties" in line for line in rows)
+    measured = " ".join(card.split("Measured with")[1].split("\n\n")[0].split())  # the sentence, on one line
+    assert (
+        "(the target's linear layers packed (7 layers), the drafters' int8, packed (3 layers) / the target's linear "
+        "layers stock, the drafters' int8, packed (3 layers))" in measured
+    )
 
 
 def test_a_card_from_benches_on_two_machines_says_which_row_ran_where():

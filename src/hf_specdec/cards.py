@@ -71,6 +71,16 @@ def _machine(report: dict) -> str:
     return f"{hw.get('device_name', '?')} ({hw.get('device', '?')}, torch {hw.get('torch', '?')})"
 
 
+def _kernels(report: dict) -> str | None:
+    """Which CPU kernels a bench report's runs used, where it records them: ``"the target's linear layers packed
+    (211 layers), the drafters' int8, packed (9 layers)"``."""
+    config = report.get("config") or {}
+    if "linear_kernels" not in config:
+        return None
+    text = f"the target's linear layers {config['linear_kernels']}"
+    return text + (f", the drafters' {config['draft_kernels']}" if "draft_kernels" in config else "")
+
+
 def _speedup_cell(r: dict) -> str:
     """The speedup (the median over repeats, as the bench report prints it), with its 95 % interval when the run had
     repeats."""
@@ -146,6 +156,7 @@ def drafter_card(
     if recommended_settings:
         recommended = ", ".join(f"{k}={v!r}" for k, v in recommended_settings.items())
     hardware = " and ".join(dict.fromkeys(_machine(r) for r in reports)) or "—"
+    kernels = " / ".join(dict.fromkeys(k for k in map(_kernels, reports) if k))
     link = f"https://huggingface.co/{target}" if target.count("/") == 1 and not os.path.exists(target) else target
     return ModelCard.from_template(
         card_data,
@@ -163,6 +174,7 @@ def drafter_card(
         training=training,
         results=results,
         hardware=hardware,
+        kernels=kernels,
         limitations=limitations or [],
     )
 
