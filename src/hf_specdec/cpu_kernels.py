@@ -87,6 +87,8 @@ def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
 class _PackedWeight:
     """One layer's packed copy (in ``dtype``) and what it was packed from (the weight tensor, its in-place version)."""
 
+    tolerances = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # of a correct kernel, relative (see tolerance)
+
     def __init__(self, weight: torch.Tensor, max_rows: int, dtype: torch.dtype = torch.float32):
         self.weight = weight
         self.version = weight._version
@@ -115,8 +117,6 @@ class _PackedWeight:
 
     def _kernel(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
-
-    tolerances = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 
     @property
     def tolerance(self) -> float:
@@ -158,16 +158,19 @@ class _Int8Weight(_PackedWeight):
             self.scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-30).to(torch.bfloat16)
             self.int8 = torch.round(w / self.scales.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
 
+    @staticmethod
+    def _reads_int8(x: torch.Tensor) -> bool:
+        return x.numel() // x.shape[-1] <= INT8_MAX_ROWS
+
     def compute(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows > INT8_MAX_ROWS:
+        if not self._reads_int8(x):
             return super().compute(x, bias)
-        out = torch._weight_int8pack_mm(x.reshape(rows, x.shape[-1]).to(torch.bfloat16), self.int8, self.scales)
-        out = out.to(x.dtype).reshape(*x.shape[:-1], -1)
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        out = torch._weight_int8pack_mm(flat, self.int8, self.scales).to(x.dtype).reshape(*x.shape[:-1], -1)
         return out if bias is None else out + bias
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.numel() // x.shape[-1] > INT8_MAX_ROWS:
+        if not self._reads_int8(x):
             return super().reference(x, bias)
         weight = self.int8.float() * self.scales.float()[:, None]
         return F.linear(x.to(torch.bfloat16).float(), weight, bias)
