@@ -317,14 +317,45 @@ def test_a_call_where_drafting_wins_drafts_from_its_first_pass_whatever_its_prom
     assert seen[0] == 40 and max(out.draft_lengths[0]) > 0
 
 
-def test_a_catch_up_is_one_pass_within_the_measured_sizes_and_grows_beyond_them():
+def _catch_up(ctrl: DraftLengthController, slots: int, seconds: float) -> None:
+    """Records a draft pass of 2 (both accepted, 1.2 plain steps) after a catch-up of ``slots`` taking ``seconds``."""
+    ctrl.update(2, torch.tensor([2]), torch.tensor([3]), torch.tensor([True]), 1.2 + seconds, False, seconds, slots)
+
+
+def test_a_catch_up_costs_a_fixed_part_and_a_part_per_slot():
     ctrl = DraftLengthController(2)
     _feed(ctrl, 0, [0], 1.0)
     for slots, seconds in ((8, 1.0), (64, 2.0)):  # a fixed cost and a little per slot
-        ctrl.update(2, torch.tensor([2]), torch.tensor([3]), torch.tensor([True]), 1.2 + seconds, False, seconds, slots)
-    assert ctrl.catchup_cost(32) == pytest.approx(2.0)  # median 0.078 per slot, but never dearer than the dearest
-    # A thousand-token prompt waiting for the drafter: not bounded by the small catch-ups measured so far.
-    assert ctrl.catchup_cost(1000) == pytest.approx(2.0 / 64 * 1000)
+        _catch_up(ctrl, slots, seconds)
+    assert ctrl.catchup_cost(32) == pytest.approx(1.0 + 24 / 56)  # on the line through the two
+    # A thousand-token prompt waiting for the drafter: the slope, not the small catch-up's rate per slot (125).
+    assert ctrl.catchup_cost(1000) == pytest.approx(1.0 + 992 / 56)
+    one_size = DraftLengthController(2)
+    _feed(one_size, 0, [0], 1.0)
+    _catch_up(one_size, 8, 1.0)
+    assert one_size.catchup_cost(1000) == pytest.approx(125.0)  # one size: its rate per slot bounds the slope
+
+
+def test_the_widest_catch_up_anchors_the_slope_after_the_window_forgets_it():
+    ctrl = DraftLengthController(2, window=4)
+    _feed(ctrl, 0, [0], 1.0)
+    _catch_up(ctrl, 700, 1.2)  # a prompt: 0.001 s per slot over a 0.5 s fixed cost
+    for slots in (1, 2, 3, 4, 1, 2):  # then small ones only, one of them slow (a size the kernels had not seen)
+        _catch_up(ctrl, slots, 0.5 + 0.001 * slots + (0.4 if slots == 3 else 0.0))
+    assert ctrl.widest_catchup == (700, 1.2) and (700, 1.2) not in ctrl.catchup
+    assert 1.0 < ctrl.catchup_cost(769) < 1.5  # 1.27 s on the prompt's line; the small ones alone say 0.6-10
+
+
+def test_a_long_waiting_prompt_does_not_keep_a_winning_drafter_on_plain_steps():
+    """Catch-ups measured after a few plain steps each, at a fixed cost of a quarter step; a 769-token prompt waits:
+    the controller drafts in a 96-token call. Priced at the small catch-ups' rate per slot (0.25 steps), the prompt
+    cost 190 steps and a trace of the SmolLM2 demo decoded its summarization and RAG prompts plainly."""
+    ctrl = DraftLengthController(2, probe_every=1000)
+    _feed(ctrl, 0, [0], 1.0)
+    for slots in (1, 2, 4, 8, 12, 3):  # each after a draft of 2, both accepted: 3 tokens for 1.2 steps
+        _catch_up(ctrl, slots, 0.25 + 0.001 * slots)
+    assert ctrl.catchup_cost(769) == pytest.approx(0.25 + 0.769)
+    assert ctrl.choose(96, pending_slots=769) == 2
 
 
 def test_tree_controller_chooses_between_tree_and_plain():

@@ -9,8 +9,10 @@ Markdown reports, as a ``×`` figure or in a τ column. README.md names the comm
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,55 @@ def test_every_speedup_and_tau_figure_has_a_results_file(doc):
     text = doc.read_text(encoding="utf-8")
     orphans = sorted({f"{kind} {figure}" for kind, figure in figures(text) if not is_backed(kind, figure, values)})
     assert not orphans, f"{doc.name}: figures without a results file in model_cards/results/: {orphans}"
+
+
+def _expand_braces(name: str) -> list[str]:
+    """``a.{json,md}`` -> ``a.json``, ``a.md`` (the README's table writes a file's siblings that way)."""
+    parts = re.split(r"\{([^}]*)\}", name)
+    choices = [[part] if i % 2 == 0 else part.split(",") for i, part in enumerate(parts)]
+    return ["".join(pick) for pick in itertools.product(*choices)]
+
+
+def _named_results_files() -> list[tuple[str, str]]:
+    """``(where, path)`` for every results file the README's table or a link in the docs names."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("| results file | command |", 1)[1].split("\n\n", 1)[0]
+    named = [
+        ("README.md's table of results files", f"model_cards/results/{path}")
+        for line in table.splitlines()[2:]
+        for cell in [line.split("|")[1]]
+        for name in re.findall(r"`([^`]+)`", cell)
+        for path in _expand_braces(name)
+    ]
+    for doc in DOCS:
+        base = doc.parent
+        for target in re.findall(r"\]\(([^)#\s]+)\)", doc.read_text(encoding="utf-8")):
+            path = (base / target).resolve()
+            if RESULTS in path.parents:
+                named.append((doc.name, str(path.relative_to(ROOT))))
+    return named
+
+
+def test_every_results_file_the_docs_name_is_in_the_checkout():
+    named = _named_results_files()
+    assert len(named) > 300, "the README's table of results files was not found"
+    missing = sorted({f"{where}: {path}" for where, path in named if not (ROOT / path).is_file()})
+    assert not missing, "results files named but not in the checkout (never committed?):\n" + "\n".join(missing)
+
+
+def test_git_never_ignores_a_results_file():
+    """A results file that .gitignore matches stays on the machine that wrote it and is lost with it."""
+    probes = [f"model_cards/results/any-new-run/{name}" for name in ("demo_report.json", "demo_report.png", "x.md")]
+    probes += ["model_cards/candidates/any/plot.png", "src/hf_specdec/assets/any/plot.png"]
+    done = subprocess.run(
+        ["git", "check-ignore", "--no-index", "--verbose", "--non-matching", *probes],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode in (0, 1), done.stderr
+    ignored = [
+        line.split("\t")[1] for line in done.stdout.splitlines() if not line.startswith("::") and ":!" not in line
+    ]
+    assert not ignored, f".gitignore ignores results files: {ignored}"

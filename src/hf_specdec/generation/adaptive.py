@@ -27,11 +27,12 @@ large batch on a compute-bound device.
 * A draft must be expected to beat a plain step by ``margin`` (5 %) to be chosen, so noise around break-even
   (a weak drafter, whose one-token draft at best pays for its wider pass) decodes plainly.
 * After plain steps the drafter must catch up on the slots it did not see before it can draft. That time is
-  measured apart (per slot, relative to a plain step) and counted against drafting, spread over the steps left in
-  the call (it is paid once; the drafter then keeps up), so the loop does not flip to drafting for a gain the
-  catch-up eats, nor leave a long call on plain steps because the prompt it has not seen yet is long. A call that
-  starts where plain steps win (what earlier calls measured) leaves the drafter's pass over the prompt to that
-  catch-up too, so a call that never drafts never runs the drafter.
+  measured apart (a fixed part and a part per slot, relative to a plain step: it is one batched pass, whose fixed
+  cost dominates a few slots and whose cost per slot a long prompt) and counted against drafting, spread over the
+  steps left in the call (it is paid once; the drafter then keeps up), so the loop does not flip to drafting for a
+  gain the catch-up eats, nor leave a long call on plain steps because the prompt it has not seen yet is long. A
+  call that starts where plain steps win (what earlier calls measured) leaves the drafter's pass over the prompt to
+  that catch-up too, so a call that never drafts never runs the drafter.
 * To learn, the controller tries ``K = 0`` once early (the plain-step cost), and then, now and then, a draft length
   next to the current best (hill climbing), so a length that was underestimated gets measured. The first probe comes
   after ``probe_every`` passes; while probes do not change the best choice, the gap between them doubles (up to
@@ -160,6 +161,7 @@ class DraftLengthController:
         self.tree_tokens: float | None = None  # tokens committed per row per tree pass (moving average)
         self.times: dict[int, deque] = {}  # draft length (0: a plain step) -> recent pass times in seconds
         self.catchup: deque = deque(maxlen=window)  # (slots, seconds) of recent catch-ups
+        self.widest_catchup: tuple[int, float] | None = None  # the catch-up over the most slots so far
         self.window = int(window)
         self.passes = 0
         self._probe_side = 1
@@ -224,17 +226,36 @@ class DraftLengthController:
 
     def catchup_cost(self, slots: int) -> float:
         """Time, in plain steps, the drafter needs to catch up on ``slots`` verified slots it has not seen (after
-        plain steps), from measured catch-ups (0 before any): within the measured sizes, the median per slot times
-        ``slots``, but never more than the dearest catch-up measured (it is one batched pass, not one per slot);
-        beyond the largest one measured (a waiting prompt), at that one's rate per slot."""
+        plain steps, or a waiting prompt): a fixed part and a part per slot (:meth:`_catchup_line`), 0 before any
+        catch-up was measured."""
         step = self.step_time
         if not self.catchup or not slots or step is None:
             return 0.0
-        largest_slots, largest_seconds = max(self.catchup)
-        if slots > largest_slots:
-            return largest_seconds / largest_slots * slots / step
-        per_slot = statistics.median(r / n for n, r in self.catchup)
-        return min(per_slot * slots, max(r for _, r in self.catchup)) / step
+        fixed, per_slot = self._catchup_line()
+        return (fixed + per_slot * slots) / step
+
+    def _catchup_line(self) -> tuple[float, float]:
+        """``(seconds, seconds per slot)`` of a catch-up, fitted to the recent ones and the widest ever measured.
+
+        A catch-up is one batched pass: over a few slots its fixed cost dominates (and a size the kernels have not
+        seen yet can take longer), over a long prompt its cost per slot. So the cost per slot is the least-squares
+        slope over the measured sizes, never below 0 and never above the cheapest rate any catch-up measured (its
+        time over its slots bounds the slope from above: the bound alone where one size was measured), and the
+        fixed part is the median of what the slope leaves. Extrapolating the small catch-ups' rate per slot instead
+        priced a waiting 769-token prompt at 200 plain steps (the real one costs about one), so the call never
+        drafted."""
+        points = list(self.catchup)
+        if self.widest_catchup not in points:  # pushed out of the recent ones: it still anchors the slope
+            points.append(self.widest_catchup)
+        bound = min(seconds / slots for slots, seconds in points)
+        mean_slots = statistics.fmean(slots for slots, _ in points)
+        spread = sum((slots - mean_slots) ** 2 for slots, _ in points)
+        if spread == 0:
+            return 0.0, bound
+        mean_seconds = statistics.fmean(seconds for _, seconds in points)
+        slope = sum((slots - mean_slots) * (seconds - mean_seconds) for slots, seconds in points) / spread
+        per_slot = min(max(slope, 0.0), bound)
+        return max(statistics.median(seconds - per_slot * slots for slots, seconds in points), 0.0), per_slot
 
     def cost_bound(self, k: int) -> float | None:
         """``k``'s measured cost, else the cheapest measured cost of a longer draft (a pass never costs less for
@@ -418,6 +439,8 @@ class DraftLengthController:
         self.times.setdefault(k, deque(maxlen=self.window)).append(seconds)
         if catchup_slots:
             self.catchup.append((catchup_slots, catchup_seconds))
+            if self.widest_catchup is None or catchup_slots >= self.widest_catchup[0]:
+                self.widest_catchup = (catchup_slots, catchup_seconds)
         if k <= 0 or not bool(act.any()):
             return
         drafted_rows, committed_rows = drafted.cpu()[act].tolist(), committed.cpu()[act].tolist()
