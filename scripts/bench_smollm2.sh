@@ -18,7 +18,7 @@
 # `bench` packs the fp32 target's linear weights for oneDNN (the default, --linear-kernels packed; the reports'
 # config says so). The runs with MKL-packed weights before it are kept as smollm2-bench*-mkl, earlier runs under
 # other stems (smollm2-bench*-grown30, *-stock; README's figures table).
-# About 40-70 minutes on a 2-core VM (lane 1 37-56 minutes, lane 2 25-38 at the last runs before the copies row). Outputs: model_cards/results/smollm2-bench*.{json,md,png}.
+# About 30-70 minutes on a 2-core VM (30 on the last, faster VM; lane 1 37-56 minutes, lane 2 25-38 at the runs before the copies row). Outputs: model_cards/results/smollm2-bench*.{json,md,png}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-model_cards/results}
