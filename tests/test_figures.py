@@ -69,10 +69,10 @@ def _walk(node, key=""):
         yield key, float(node)
 
 
-def backed_values() -> dict[str, set[float]]:
-    """The speedup and τ values that the results files hold."""
+def backed_values(paths=None) -> dict[str, set[float]]:
+    """The speedup and τ values that the results files hold (``paths``: those files only)."""
     values: dict[str, set[float]] = {"speedup": set(), "tau": set()}
-    for path in sorted(RESULTS.rglob("*")):
+    for path in sorted(RESULTS.rglob("*")) if paths is None else paths:
         if path.suffix == ".json":
             for key, value in _walk(json.loads(path.read_text(encoding="utf-8"))):
                 if any(k in key for k in SPEEDUP_KEYS):
@@ -177,3 +177,18 @@ def test_git_never_ignores_a_results_file():
         line.split("\t")[1] for line in done.stdout.splitlines() if not line.startswith("::") and ":!" not in line
     ]
     assert not ignored, f".gitignore ignores results files: {ignored}"
+
+
+def test_each_results_table_row_is_backed_by_the_files_it_links():
+    """Stricter than any results file holding the value: a row of README.md's results table names its files, and
+    every speedup and τ in its result cell must come from one of those."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("| target | what ran | result | results file |", 1)[1].split("\n\n", 1)[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    assert len(rows) > 20, "README.md's results table was not found"
+    orphans = []
+    for _, what, result, files in rows:
+        values = backed_values([ROOT / target for target in re.findall(r"\]\(([^)#\s]+)\)", files)])
+        found = [("speedup", m) for m in SPEEDUP_RE.findall(result)] + [("tau", m) for m in TAU_RE.findall(result)]
+        orphans += [f"{what[:60]}: {kind} {figure}" for kind, figure in found if not is_backed(kind, figure, values)]
+    assert not orphans, "results-table figures that the row's own files do not hold:\n" + "\n".join(orphans)
