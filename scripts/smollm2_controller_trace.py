@@ -73,7 +73,7 @@ def trace_calls(model, tokenizer, drafter, prompts, rounds: int, probe_optimism:
 
 def controller_state(controller) -> dict:
     """What the controller believes: per-depth acceptance, each measured length's cost in plain steps, a plain step's
-    seconds, the catch-up's cost per slot, and the probes' loss against their budget."""
+    seconds, a 100-slot catch-up's cost per slot (in plain steps), and the probes' loss against their budget."""
     costs = {k: controller.relative_cost(k) for k in sorted(controller.times)}
     catchup = controller.catchup_cost(100) / 100 if controller.catchup else None
     return {
