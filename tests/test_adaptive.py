@@ -371,6 +371,43 @@ def test_tree_controller_chooses_between_tree_and_plain():
     assert good.best() == 16
 
 
+def _tree_after_unlucky_first_pass(ctrl: DraftLengthController, passes: int = 200) -> list[int]:
+    """A 16-node tree that commits 3 tokens a pass at 1.6 plain steps (it pays: 1.9 tokens a step), after a first
+    pass that committed 1; returns the arms chosen next."""
+    ctrl.update(16, torch.tensor([16]), torch.tensor([1]), torch.tensor([True]), 1.6)
+    ctrl.update(0, torch.tensor([0]), torch.tensor([1]), torch.tensor([True]), 1.0)
+    choices = []
+    for _ in range(passes):
+        k = ctrl.choose(1000)
+        choices.append(k)
+        ctrl.update(k, torch.tensor([k]), torch.tensor([3 if k else 1]), torch.tensor([True]), 1.6 if k else 1.0)
+    return choices
+
+
+def test_one_unlucky_tree_pass_does_not_keep_a_paying_tree_on_plain_steps():
+    """The tree's tokens per pass are a mean over its passes with a prior pass: the first pass's one token weighs
+    as one pass (a moving average started there kept the estimate near 1 for hundreds of passes), and the hopeful
+    estimate's standard error sends probes to the tree until the evidence settles it."""
+    choices = _tree_after_unlucky_first_pass(DraftLengthController(16, tree=True))
+    assert choices[40:].count(0) <= 16, choices
+    ctrl = DraftLengthController(16, tree=True)
+    ctrl.update(16, torch.tensor([16]), torch.tensor([1]), torch.tensor([True]), 1.6)
+    assert ctrl.tree_tokens() == pytest.approx(1.5)  # one pass of 1 token and the prior pass of 2
+    assert ctrl.tree_tokens(optimism=1.0) == pytest.approx(1.5 + (0.25 / 2) ** 0.5)
+
+
+def test_a_tree_that_does_not_pay_stays_on_plain_steps():
+    ctrl = DraftLengthController(16, tree=True)
+    ctrl.update(16, torch.tensor([16]), torch.tensor([2]), torch.tensor([True]), 1.6)
+    ctrl.update(0, torch.tensor([0]), torch.tensor([1]), torch.tensor([True]), 1.0)
+    choices = []
+    for _ in range(300):
+        k = ctrl.choose(1000)
+        choices.append(k)
+        ctrl.update(k, torch.tensor([k]), torch.tensor([1]), torch.tensor([True]), 1.6 if k else 1.0)
+    assert choices[100:].count(16) <= 3, choices
+
+
 def test_invalid_mode_is_refused():
     target = make_target("llama")
     ids, mask = ragged_batch(1)
