@@ -128,35 +128,6 @@ def test_an_unlucky_start_does_not_keep_a_paying_drafter_on_plain_steps():
     assert control[60:].count(0) > 70, control
 
 
-def _drafts_after_a_well_drafted_call(ctrl: DraftLengthController) -> int:
-    """Drafts of 5 a call takes where none is accepted (a draft costs 2.5 plain steps, as at batch 4 on a CPU),
-    after a call of 40 passes whose drafts were nearly all accepted (a translation before a summary)."""
-    _feed(ctrl, 0, [0], 1.0)
-    for _ in range(40):
-        _feed(ctrl, 5, [5], 2.5)  # 6 tokens for 2.5 steps
-    ctrl.begin_call()
-    drafts = 0
-    for _ in range(100):
-        k = ctrl.choose(1000)
-        drafts += k > 0
-        _feed(ctrl, k, [0], 2.5 if k else 1.0)
-    return drafts
-
-
-def test_a_new_call_learns_its_own_acceptance_within_a_few_passes():
-    """A call begins from the earlier calls' acceptance weighed as ``acceptance_prior`` passes: a text the drafter
-    fails on stops drafting after about ten losing passes (its deeper depths keep the earlier rates: no pass
-    reaches them), where the earlier calls' full counts (about 23 passes after decay) kept it drafting for three
-    times as many."""
-    drafts = _drafts_after_a_well_drafted_call(DraftLengthController(5))
-    control = _drafts_after_a_well_drafted_call(DraftLengthController(5, acceptance_prior=1e9))
-    assert drafts <= 12 and control >= 3 * drafts, (drafts, control)
-    ctrl = DraftLengthController(5, decay=1.0, acceptance_prior=4.0)
-    _feed(ctrl, 5, [1] * 16, 1.0)  # 16 rows: alpha_1 = 16/16, alpha_2 = 0
-    ctrl.begin_call()
-    assert ctrl.reached[1:3] == pytest.approx([4.0, 4.0]) and ctrl.accepted[1:3] == pytest.approx([4.0, 0.0])
-
-
 def test_chooses_long_drafts_when_they_are_accepted_and_cheap():
     ctrl = DraftLengthController(5)
     for _ in range(30):

@@ -54,10 +54,7 @@ large batch on a compute-bound device.
   the plain estimates, and these probes are within the same budget.
 * The estimates are kept per drafter, target, device, batch size, decoding mode and tree policy
   (:class:`DraftLengthMemory`, outside the drafter object), so later ``generate`` calls start from what earlier
-  ones learnt. What a pass costs is the machine's and carries over as it is; how often drafts are accepted depends
-  on the text, so a new call weighs the earlier calls' acceptance as at most ``acceptance_prior`` passes, and its
-  own passes take over after a few (a translation's 40 well-accepted passes kept a summary after it drafting for
-  a dozen losing passes at batch 4).
+  ones learnt.
 
 For tree policies the choice is between the tree and a plain step; the tree's tokens per pass are measured directly
 (their mean over the tree passes, decayed like the acceptance counts, with a pseudo-pass of 2 tokens; the hopeful
@@ -116,8 +113,6 @@ class DraftLengthController:
         decay: forgetting factor per pass for the acceptance counts and tokens-per-pass of trees.
         copy_window: recent passes with a copy whose outcome (tokens per row a lookup pass commits there) is
             averaged.
-        acceptance_prior: how many passes the acceptance counts of earlier calls weigh as when a call begins (the
-            rate stays theirs; the call's own passes then take over after a few).
         copy_prior: how many of a call's own copy outcomes the estimate of earlier calls weighs as (what a copy
             commits depends on the text: a passage quoted in one prompt says little about the next one, so a call
             starts from earlier calls' estimate and its own outcomes take over after a few matches).
@@ -142,7 +137,6 @@ class DraftLengthController:
         tree: bool = False,
         decay: float = 0.97,
         copy_window: int = 32,
-        acceptance_prior: float = 4.0,
         copy_prior: float = 4.0,
         window: int = 8,
         margin: float = 0.05,
@@ -185,7 +179,6 @@ class DraftLengthController:
         self.last_choice: int | None = None
         self.copy_outcomes: deque = deque(maxlen=copy_window)  # per row, what this call's recent lookup passes commit
         self.copy_prior = float(copy_prior)
-        self.acceptance_prior = float(acceptance_prior)
         self._earlier_copies: float | None = None  # earlier calls' estimate of what a lookup pass commits
         self.lookup_times: deque = deque(maxlen=window)  # lookup-only pass times in seconds
         self._lookup_matches = 0
@@ -418,19 +411,9 @@ class DraftLengthController:
     def begin_call(self) -> None:
         """A new ``generate`` call: what copies commit is learnt again from its text, from the estimate so far
         (calls in other threads sharing this controller start over with it: their decisions change, never their
-        output); and the earlier calls' acceptance weighs as at most ``acceptance_prior`` passes."""
+        output)."""
         self._earlier_copies = self.lookup_tokens
         self.copy_outcomes.clear()
-        self._weigh_earlier_acceptance()
-
-    def _weigh_earlier_acceptance(self) -> None:
-        """Scales the acceptance counts (and a tree pass's token counts) down to ``acceptance_prior`` passes at
-        most: the rates they give stay (up to the counts' one pseudo-observation), their weight shrinks."""
-        scale = min(1.0, self.acceptance_prior / max(self.reached[1], self.tree_passes, 1e-9))
-        self.reached = [r * scale for r in self.reached]
-        self.accepted = [a * scale for a in self.accepted]
-        tree = (self.tree_passes, self.tree_sum, self.tree_sq)
-        self.tree_passes, self.tree_sum, self.tree_sq = (x * scale for x in tree)
 
     def record_copies(self, outcomes: list[float]) -> None:
         """Records what lookup passes committed or would have committed, in tokens per row
