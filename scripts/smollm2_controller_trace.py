@@ -15,6 +15,11 @@ Usage::
     python scripts/smollm2_controller_trace.py --dtype bfloat16 --probe-optimism 0 \\
         --out model_cards/results/smollm2-controller-trace-before-hopeful
     python scripts/smollm2_controller_trace.py --dtype float32 --threads 2 --draft-kernels bf16 --out runs/trace
+    python scripts/smollm2_controller_trace.py --dtype float32 \
+        --tree eagle2:tree_depth=6,tree_top_k=4,tree_total_tokens=16 --out runs/trace-tree
+
+With ``--tree`` (``bench``'s syntax) the calls draft that tree, a length is a tree size, and the state records each
+size's estimated tokens per pass.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ from hf_specdec.cpu_kernels import (
 )
 
 
-def trace_calls(model, tokenizer, drafter, prompts, rounds: int, probe_optimism: float) -> list[dict]:
-    """One record per ``generate`` call: its round, category, prompt length, seconds and draft lengths."""
+def trace_calls(model, tokenizer, drafter, prompts, rounds: int, probe_optimism: float, tree=None) -> list[dict]:
+    """One record per ``generate`` call: its round, category, prompt length, seconds and draft lengths (``tree``:
+    the calls' tree options)."""
     from hf_specdec.bench.prompts import render_prompt
     from hf_specdec.generation import adaptive
 
@@ -60,7 +66,7 @@ def trace_calls(model, tokenizer, drafter, prompts, rounds: int, probe_optimism:
                 ids = tokenizer(render_prompt(item, tokenizer), return_tensors="pt")
                 choices.clear()
                 start = time.perf_counter()
-                model.generate(**ids, assistant_model=drafter, max_new_tokens=96, do_sample=False)
+                model.generate(**ids, assistant_model=drafter, max_new_tokens=96, do_sample=False, **(tree or {}))
                 calls.append(
                     {"round": round_, "category": item.category, "prompt_tokens": ids.input_ids.shape[1],
                      "seconds": round(time.perf_counter() - start, 2), "draft_lengths": " ".join(choices),
@@ -72,12 +78,18 @@ def trace_calls(model, tokenizer, drafter, prompts, rounds: int, probe_optimism:
 
 
 def controller_state(controller) -> dict:
-    """What the controller believes: per-depth acceptance, each measured length's cost in plain steps, a plain step's
-    seconds, a 100-slot catch-up's cost per slot (in plain steps), and the probes' loss against their budget."""
+    """What the controller believes: per-depth acceptance (a tree's tokens per pass for each size), each measured
+    length's cost in plain steps, a plain step's seconds, a 100-slot catch-up's cost per slot (in plain steps), and
+    the probes' loss against their budget."""
     costs = {k: controller.relative_cost(k) for k in sorted(controller.times)}
     catchup = controller.catchup_cost(100) / 100 if controller.catchup else None
+    belief = (
+        {"tree_tokens": {n: round(controller.tree_tokens(n), 3) for n in controller.budgets}}
+        if controller.tree
+        else {"alphas": [round(a, 3) for a in controller.alphas()]}
+    )
     return {
-        "alphas": [round(a, 3) for a in controller.alphas()],
+        **belief,
         "costs": {k: round(c, 3) for k, c in costs.items() if c is not None},
         "step_ms": round(1000 * controller.step_time, 2) if controller.step_time else None,
         "catchup_per_slot": round(catchup, 4) if catchup is not None else None,
@@ -99,11 +111,13 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--linear-kernels", default="packed", choices=LINEAR_KERNELS)
     p.add_argument("--draft-kernels", default=DEFAULT_DRAFT_KERNELS, choices=DRAFT_KERNELS)
+    p.add_argument("--tree", default=None, help="a tree to draft, as bench's --tree (e.g. eagle2:tree_depth=6,...)")
     p.add_argument("--out", required=True, help="writes OUT.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     from hf_specdec.auto import AutoModelForDrafting
+    from hf_specdec.commands.bench import tree_options
     from hf_specdec.demo import demo_drafter_path, demo_prompts, get_demo_target
 
     spec = get_demo_target("smollm2")
@@ -114,7 +128,8 @@ def main(argv=None):
         draft_kernels_for([drafter], args.draft_kernels, [model]),
         grouped_query_sdpa(model),
     ):
-        calls = trace_calls(model, tokenizer, drafter, demo_prompts(spec), args.rounds, args.probe_optimism)
+        tree = tree_options(args, args.tree)
+        calls = trace_calls(model, tokenizer, drafter, demo_prompts(spec), args.rounds, args.probe_optimism, tree)
     rounds = [
         {"round": r, "seconds": round(sum(c["seconds"] for c in calls if c["round"] == r), 2),
          "plain_step_share": plain_share([c for c in calls if c["round"] == r])}

@@ -315,6 +315,9 @@ def test_a_call_where_drafting_wins_drafts_from_its_first_pass_whatever_its_prom
                           lookup_tokens=0, return_dict_in_generate=True)  # fmt: skip
     assert torch.equal(out.sequences, ref)
     assert seen[0] == 40 and max(out.draft_lengths[0]) > 0
+    # The drafter's pass over the prompt was timed as a catch-up over its 40 slots: every call's prompt tells what a
+    # catch-up costs per slot (a wide one, which the small catch-ups after single plain steps do not).
+    assert ctrl.widest_catchup[0] == 40 and any(slots == 40 for slots, _ in ctrl.catchup)
 
 
 def _catch_up(ctrl: DraftLengthController, slots: int, seconds: float) -> None:
@@ -392,8 +395,9 @@ def test_one_unlucky_tree_pass_does_not_keep_a_paying_tree_on_plain_steps():
     assert choices[40:].count(0) <= 16, choices
     ctrl = DraftLengthController(16, tree=True)
     ctrl.update(16, torch.tensor([16]), torch.tensor([1]), torch.tensor([True]), 1.6)
-    assert ctrl.tree_tokens() == pytest.approx(1.5)  # one pass of 1 token and the prior pass of 2
-    assert ctrl.tree_tokens(optimism=1.0) == pytest.approx(1.5 + (0.25 / 2) ** 0.5)
+    prior = 2.0 - 0.5**16  # a chain of 16 tokens, each accepted half the time
+    assert ctrl.tree_tokens() == pytest.approx((1.0 + prior) / 2)  # one pass of 1 token and the prior pass
+    assert ctrl.tree_tokens(optimism=1.0) == pytest.approx((1.0 + prior) / 2 + ((prior - 1.0) ** 2 / 8) ** 0.5)
 
 
 def test_a_tree_that_does_not_pay_stays_on_plain_steps():
@@ -406,6 +410,74 @@ def test_a_tree_that_does_not_pay_stays_on_plain_steps():
         choices.append(k)
         ctrl.update(k, torch.tensor([k]), torch.tensor([1]), torch.tensor([True]), 1.6 if k else 1.0)
     assert choices[100:].count(16) <= 3, choices
+
+
+SIZES = (1, 2, 4, 8, 16)
+
+
+def _prior_gain(below: int, size: int) -> float:
+    """What the prior takes the tree of ``size`` nodes to add over the one of ``below`` (each node half as likely
+    as the one before)."""
+    return sum(0.5**j for j in range(below + 1, size + 1))
+
+
+def test_a_tree_pass_tells_what_each_smaller_size_commits():
+    """A tree listed best first: the accepted path's nodes among the first n are what the tree of n accepts, and a
+    size's estimate is what it adds over the size below it."""
+    ctrl = DraftLengthController(16, tree=True, budgets=SIZES)
+    assert ctrl.arms() == [0, *SIZES]
+    one = torch.tensor([True])
+    # The path is nodes 0, 1 and 9: sizes 1, 2, 4, 8 and 16 commit 2, 3, 3, 3 and 4 tokens.
+    ctrl.update(16, torch.tensor([16]), torch.tensor([4]), one, 2.0, accepted_nodes=torch.tensor([[0, 1, 9, -1]]))
+    gains = dict(zip(SIZES, (1, 1, 0, 0, 1)))
+    expected, below = 1.0, 0
+    for size in SIZES:  # one pass and one prior pass per size
+        expected += (gains[size] + _prior_gain(below, size)) / 2
+        below = size
+        assert ctrl.tree_tokens(size) == pytest.approx(expected)
+    # A pass of size 2 tells sizes 1 and 2 only; what 4, 8 and 16 add on top of them stays.
+    added = ctrl.tree_tokens(16) - ctrl.tree_tokens(2)
+    ctrl.update(2, torch.tensor([2]), torch.tensor([3]), one, 1.0, accepted_nodes=torch.tensor([[0, 1, -1]]))
+    assert ctrl.tree_tokens(16) - ctrl.tree_tokens(2) == pytest.approx(added, rel=0.02)
+    assert ctrl.tree_tokens(2) > ctrl.tree_tokens(1) > 1.0
+    with pytest.raises(ValueError, match="accepted paths"):
+        ctrl.update(16, torch.tensor([16]), torch.tensor([4]), one, 2.0)
+    # A batch of two counts the call's progress for each size: the row behind moves it. Before the pass both rows
+    # ended at 10; row 0 accepted nodes 0-3 (5 tokens), row 1 node 5 (2 tokens): only size 8 takes row 1 on.
+    batch = DraftLengthController(16, tree=True, budgets=SIZES)
+    paths = torch.tensor([[0, 1, 2, 3], [5, -1, -1, -1]])
+    batch.update(16, torch.tensor([16, 16]), torch.tensor([5, 2]), torch.tensor([True, True]), 2.0,
+                 ends=torch.tensor([15, 12]), accepted_nodes=paths)  # fmt: skip
+    assert batch.tree_tokens(4) == pytest.approx(1.0 + _prior_gain(0, 4) / 2)
+    assert batch.tree_tokens(8) - batch.tree_tokens(4) == pytest.approx((1 + _prior_gain(4, 8)) / 2)
+    with pytest.raises(ValueError, match="include 16"):
+        DraftLengthController(16, tree=True, budgets=(1, 2, 8))
+
+
+def _tree_sizes_chosen(cost_per_node: float, passes: int = 300) -> list[int]:
+    """Tree passes whose cost grows by ``cost_per_node`` plain steps a node (a CPU: about 0.06; a GPU: about 0)
+    and whose accepted path is nodes 0, 1 and 9 of the tree: sizes 1, 2, 4, 8 and 16 commit 2, 3, 3, 3 and 4
+    tokens. Returns the sizes chosen after the first two passes."""
+    ctrl = DraftLengthController(16, tree=True, budgets=SIZES)
+    path = torch.tensor([[0, 1, 9]])
+    choices = []
+    for _ in range(passes):
+        k = ctrl.choose(1000)
+        choices.append(k)
+        committed = 1 + int((path[0] < k).sum())
+        ctrl.update(k, torch.tensor([k]), torch.tensor([committed]), torch.tensor([True]),
+                    1.0 + 0.05 * (k > 0) + cost_per_node * k, accepted_nodes=path if k else None)  # fmt: skip
+    return choices[2:]
+
+
+def test_the_tree_size_the_hardware_pays_for_is_chosen():
+    """On a CPU (a node costs 0.06 plain steps) two nodes pay best: 3 tokens for 1.17 steps against 4 for 2.01 with
+    the whole tree; the sizes next to the whole tree (8: 3 tokens for 1.53) pay no better than it, so probing
+    neighbours alone would never reach it. Where nodes cost next to nothing (a GPU), the whole tree pays best."""
+    cpu = _tree_sizes_chosen(0.06)
+    assert cpu[100:].count(2) >= 180, cpu
+    gpu = _tree_sizes_chosen(0.001)
+    assert gpu[100:].count(16) >= 180, gpu
 
 
 def test_invalid_mode_is_refused():

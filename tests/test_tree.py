@@ -10,6 +10,8 @@ from transformers import DynamicCache
 
 from hf_specdec import AutoModelForDrafting, DrafterPreTrainedModel, DraftInputs, Eagle3Config, Proposal
 from hf_specdec.configuration_utils import DrafterConfig
+from hf_specdec.generation import adaptive
+from hf_specdec.generation.adaptive import DraftLengthController
 from hf_specdec.generation.loop import TargetPasses
 from hf_specdec.tree import (
     DynamicTree,
@@ -310,6 +312,43 @@ def test_oracle_tree_accepts_deep_ragged_paths_and_stays_identical():
     assert len({tuple(r) for r in acc}) == 3  # rows accepted different lengths in the same passes
 
 
+class _ScriptedTreeSizes(DraftLengthController):
+    """Replays tree sizes (0: a plain step) and keeps its instances."""
+
+    script = [10, 2, 0, 8, 1, 4, 3, 10]
+    made: list = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.made.append(self)
+
+    def choose(self, limit, pending_slots=0):
+        return self.script[self.passes % len(self.script)]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_identity_under_every_tree_size_and_each_pass_tells_the_smaller_sizes(monkeypatch, batch):
+    monkeypatch.setattr(adaptive, "DraftLengthController", _ScriptedTreeSizes)
+    monkeypatch.setattr(_ScriptedTreeSizes, "made", [])
+    target = make_target("llama", seed=2)
+    ids, mask = ragged_batch(batch, seed=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=None)
+    ref = target.generate(ids, **kwargs)
+    drafter = _oracle_tree(target, ids, mask, 30, corruption=0.2)
+    out = target.generate(
+        ids, assistant_model=drafter, tree="eagle2", tree_depth=4, tree_top_k=3, tree_total_tokens=10,
+        return_dict_in_generate=True, **kwargs,
+    )  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    assert {d for row in out.draft_lengths for d in row} >= {10, 8, 4, 3, 2, 1}
+    assert max(max(row) for row in out.accepted_lengths) >= 3
+    (ctrl,) = _ScriptedTreeSizes.made
+    assert ctrl.budgets == (1, 2, 4, 8, 10)
+    told = dict(zip(ctrl.budgets, ctrl.tree_passes))
+    assert told[1] > told[2] > told[4] > told[8] > told[10] > 0  # a size is told by every pass at least as large
+    assert ctrl.tree_tokens(10) > ctrl.tree_tokens(2) > ctrl.tree_tokens(1)  # the right path is the second branch
+
+
 def test_cache_after_tree_passes_equals_a_fresh_forward_over_the_output():
     target = make_target("llama", seed=3)
     ids = torch.randint(6, 90, (1, 8), generator=torch.Generator().manual_seed(0))
@@ -380,6 +419,92 @@ def test_dynamic_tree_is_ancestor_closed_and_ranked_by_path_probability():
     for b in range(2):
         roots = proposal.tokens[b][parents[b] == -1]
         assert set(top3[b].tolist()) <= set(roots.tolist())
+
+
+class _PathDrafter:
+    """Draft logits that depend on each node's whole path (seeded by it): a tree built shallower or narrower than
+    another shows whether it drafted the same nodes."""
+
+    supports_tree_drafting = True
+
+    def __init__(self, rows: int = 2, vocab: int = 40):
+        self.rows, self.vocab = rows, vocab
+
+    def logits(self, path: tuple) -> torch.Tensor:
+        g = torch.Generator().manual_seed(hash(path) % 2**31)
+        return 3.0 * torch.randn(self.vocab, generator=g)
+
+    def tree_start(self, state):
+        self.slots = [[] for _ in range(self.rows)]  # per row: the path of each expanded node, in expansion order
+        return torch.stack([self.logits((b,)) for b in range(self.rows)]), None
+
+    def tree_expand(self, state, exp):
+        out = []
+        for b in range(self.rows):
+            paths = [
+                (self.slots[b][p] if p >= 0 else (b,)) + (int(t),)
+                for p, t in zip(exp.parent[b].tolist(), exp.tokens[b])
+            ]
+            self.slots[b].extend(paths)
+            out.append(torch.stack([self.logits(path) for path in paths]))
+        return torch.stack(out)
+
+
+@pytest.mark.parametrize("keep_greedy_path", [True, False])
+def test_a_dynamic_tree_lists_its_nodes_best_first_so_each_prefix_is_a_smaller_tree(keep_greedy_path):
+    policy = DynamicTree(depth=5, top_k=4, total_tokens=20, keep_greedy_path=keep_greedy_path)
+    assert policy.node_budgets == (1, 2, 4, 8, 16, 20)
+    full = policy.propose(_PathDrafter(), None)
+    for n in (1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 20):
+        small = policy.with_budget(n)
+        assert small.max_depth == min(5, n) and small.max_nodes == n
+        got = small.propose(_PathDrafter(), None)
+        assert torch.equal(got.tokens, full.tokens[:, :n]), n
+        assert torch.equal(got.batched_parents(), full.parents[:, :n]), n
+    if keep_greedy_path:  # up to the depth, a size is the drafter's greedy chain, drafted one node a depth
+        assert [policy.with_budget(n).top_k for n in (3, 5, 6, 7, 16)] == [1, 1, 2, 3, 4]
+        chain = policy.with_budget(3).propose(_PathDrafter(), None)
+        assert chain.is_linear  # proposed as the chain it is: its target pass needs no tree mask
+        drafter = _PathDrafter()
+        for b in range(2):
+            path = (b,)
+            for t in chain.tokens[b].tolist():
+                assert t == int(drafter.logits(path).argmax())
+                path = (*path, t)
+    with pytest.raises(ValueError, match=r"budget must lie in \[1, 20\]"):
+        policy.with_budget(21)
+    assert StaticTree(ORACLE_TREE).node_budgets == (6,)
+    with pytest.raises(ValueError, match="trees of 6 nodes only"):
+        StaticTree(ORACLE_TREE).with_budget(3)
+
+
+def test_the_accepted_paths_first_nodes_are_what_a_smaller_tree_accepts():
+    """Greedy verification of the tree of ``n`` nodes accepts exactly the full tree's accepted nodes among its first
+    ``n``: what the adaptive length records for each smaller size from one pass."""
+    policy = DynamicTree(depth=5, top_k=3, total_tokens=16)
+    drafter = _PathDrafter(rows=1, vocab=12)
+    full = policy.propose(drafter, None)
+    anc = ancestor_matrix(full.parents)[0]  # a node's ancestors and itself: its path, in index order
+    columns = [(0,)] + [(0, *full.tokens[0, anc[i]].tolist()) for i in range(16)]  # the root, then each node's path
+    lengths = set()
+    for seed in range(30):
+        g = torch.Generator().manual_seed(seed)
+        # The target's next token after each column: the drafter's top token 70 % of the time, else a random one.
+        argmax = [
+            int(drafter.logits(p).argmax())
+            if torch.rand(1, generator=g) < 0.7
+            else int(torch.randint(12, (1,), generator=g))
+            for p in columns
+        ]
+        scores = _scores(argmax, vocab=12)
+        res = GreedyVerifier().verify(full, scores)
+        path = res.path[0, : int(res.num_accepted[0])].tolist()
+        for n in policy.node_budgets:
+            small = Proposal(tokens=full.tokens[:, :n], kind="tree", parents=full.parents[:, :n])
+            accepted = int(GreedyVerifier().verify(small, scores[:, : n + 1]).num_accepted[0])
+            assert accepted == sum(node < n for node in path), (seed, n)
+            lengths.add(accepted)
+    assert len(lengths) >= 3  # paths of several lengths were checked
 
 
 def test_static_tree_from_accuracies_is_best_first():

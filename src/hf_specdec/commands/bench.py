@@ -57,7 +57,7 @@ def _bench_methods(args, target):
             adapted = drafter.adapt_target(_bench_target(args)[0])
         drafter.check_target_compatibility(adapted if adapted is not None else target)
         for tree in args.tree or ["chain"]:
-            draft_options = _tree_options(args, tree)
+            draft_options = tree_options(args, tree)
             chain = tree == "chain"
             for k in (args.num_draft_tokens or [None]) if chain else [None]:
                 for mode, lookup, copy, forced in _chain_variants(args, chain):
@@ -203,7 +203,7 @@ def _add_verifier_flags(p) -> None:
             )
 
 
-def _tree_options(args, tree: str) -> dict | None:
+def tree_options(args, tree: str) -> dict | None:
     """``--tree`` value as ``generate`` draft options (``chain``: none): ``eagle2`` and a family's own tree policy
     (e.g. ``rank``) take ``--tree-depth`` / ``--tree-top-k`` / ``--tree-total-tokens``; ``NAME:KEY=VALUE,...`` sets
     them for that tree only (e.g. ``rank:tree_depth=2,tree_top_k=4,tree_total_tokens=16``)."""

@@ -56,9 +56,17 @@ large batch on a compute-bound device.
   (:class:`DraftLengthMemory`, outside the drafter object), so later ``generate`` calls start from what earlier
   ones learnt.
 
-For tree policies the choice is between the tree and a plain step; the tree's tokens per pass are measured directly
-(their mean over the tree passes, decayed like the acceptance counts, with a pseudo-pass of 2 tokens; the hopeful
-estimate raises it by its standard error).
+For tree policies the choice is between the tree's sizes (:attr:`~hf_specdec.tree.policies.TreePolicy.node_budgets`:
+the EAGLE-2 tree of 16 nodes offers 1, 2, 4, 8 and 16) and a plain step. A size's tokens per pass are measured
+directly: their mean over the tree passes, decayed like the acceptance counts, with a pseudo-pass at the chains' prior
+for as many tokens (2 for a deep tree); the hopeful estimate raises it by its standard error, and a larger tree is
+never taken to commit less than a smaller one. A tree that lists its nodes best first (EAGLE-2's) holds every smaller
+size as its first nodes, so each pass also tells what each smaller size would have committed: the accepted path's
+nodes among the first ``n`` (exactly so for greedy decoding; under sampling, an estimate, since a smaller tree's
+rejections fall differently). The costs are measured per size like the chains' lengths, so a tree stays as large as
+the hardware pays for: the largest where a wider pass costs next to nothing more (a memory-bound accelerator at
+batch 1), a smaller one where it does not (on SmolLM2 on a 2-core CPU a pass over 17 tokens costs 1.5–2.3 plain
+steps). A size not measured yet is priced between the measured ones around it (:meth:`cost_bound`).
 
 Prompt lookup gets its own chance before the drafter: when some row's last n-gram occurred before, the pass can
 verify the copied continuations (:func:`hf_specdec.generation.ngram.lookup_proposal`) instead of a plain step or the
@@ -99,9 +107,9 @@ __all__ = [
 ]
 
 DRAFT_LENGTH_MODES = ("adaptive", "fixed")
-# What a tree pass is taken to commit before any was measured, weighed as one pass: the chains' prior (each depth
-# accepted half the time) gives a deep draft 2 tokens.
-_TREE_PRIOR_TOKENS = 2.0
+# Each draft depth is taken to be accepted half the time before any was measured (the chains' prior, and a tree
+# size's: n nodes as a chain of n, which gives a deep tree 2 tokens).
+_PRIOR_ACCEPTANCE = 0.5
 
 
 class DraftLengthController:
@@ -109,7 +117,9 @@ class DraftLengthController:
 
     Args:
         k_max: the longest chain to draft (``num_assistant_tokens``), or for trees the tree's node count.
-        tree: whether the proposal is a tree (then the arms are ``{0, k_max}``).
+        tree: whether the proposal is a tree (then the arms are a plain step and the ``budgets``).
+        budgets: for trees, the tree sizes to choose among (the policy's ``node_budgets``; ``k_max`` is the largest;
+            default: ``k_max`` alone).
         decay: forgetting factor per pass for the acceptance counts and tokens-per-pass of trees.
         copy_window: recent passes with a copy whose outcome (tokens per row a lookup pass commits there) is
             averaged.
@@ -135,6 +145,7 @@ class DraftLengthController:
         self,
         k_max: int,
         tree: bool = False,
+        budgets: tuple[int, ...] | None = None,
         decay: float = 0.97,
         copy_window: int = 32,
         copy_prior: float = 4.0,
@@ -152,6 +163,7 @@ class DraftLengthController:
                 raise ValueError(f"{name} must be >= 0, got {value}.")
         self.k_max = int(k_max)
         self.tree = bool(tree)
+        self.budgets = _tree_budgets(self.k_max, budgets) if self.tree else ()
         self.decay = float(decay)
         self.margin = float(margin)
         self.probe_every = int(probe_every)
@@ -163,9 +175,11 @@ class DraftLengthController:
         self._last_best: int | None = None
         self.reached = [0.0] * (self.k_max + 1)  # index d: rows that drafted token d after accepting d - 1
         self.accepted = [0.0] * (self.k_max + 1)
-        self.tree_passes = 0.0  # tree passes recorded, and the tokens per row they committed (and its squares),
-        self.tree_sum = 0.0  # each decayed like the acceptance counts
-        self.tree_sq = 0.0
+        # Per tree size: the passes that tell what it commits, the tokens per row (and their squares), each decayed
+        # like the acceptance counts.
+        self.tree_passes = [0.0] * len(self.budgets)
+        self.tree_sum = [0.0] * len(self.budgets)
+        self.tree_sq = [0.0] * len(self.budgets)
         self.times: dict[int, deque] = {}  # draft length (0: a plain step) -> recent pass times in seconds
         self.catchup: deque = deque(maxlen=window)  # (slots, seconds) of recent catch-ups
         self.widest_catchup: tuple[int, float] | None = None  # the catch-up over the most slots so far
@@ -191,7 +205,7 @@ class DraftLengthController:
         starts at 0.5 before any evidence); with ``optimism``, each raised by that many standard errors of its
         count (the hopeful estimate probes ask)."""
         out = []
-        prev = 0.5
+        prev = _PRIOR_ACCEPTANCE
         for d in range(1, self.k_max + 1):
             n = self.reached[d] + 1.0
             # A weak prior (one pseudo-observation at the previous depth's rate) keeps rare depths sane.
@@ -205,23 +219,35 @@ class DraftLengthController:
         if k <= 0:
             return 1.0
         if self.tree:
-            return self.tree_tokens(optimism)
+            return self.tree_tokens(k, optimism)
         total, p = 1.0, 1.0
         for a in self.alphas(optimism)[:k]:
             p *= a
             total += p
         return total
 
-    def tree_tokens(self, optimism: float = 0.0) -> float:
-        """Tokens per row a tree pass commits: the mean over the recorded tree passes (decayed like the acceptance
-        counts) and one pseudo-pass at :data:`_TREE_PRIOR_TOKENS`, raised by ``optimism`` standard errors. A mean
-        weighted like the chains' counts, not a moving average started at the first pass: one unlucky first tree
-        pass (one token) then weighs as one pass, where the moving average kept it at 97 % and probes moved it 3 % a
-        pass (in a trace over SmolLM2's demo prompts such a start kept the estimate below 1.2 for 12 calls)."""
-        n = self.tree_passes + 1.0
-        mean = (self.tree_sum + _TREE_PRIOR_TOKENS) / n
-        variance = max((self.tree_sq + _TREE_PRIOR_TOKENS**2) / n - mean * mean, 0.0)
-        return mean + optimism * (variance / n) ** 0.5
+    def tree_tokens(self, nodes: int | None = None, optimism: float = 0.0) -> float:
+        """Tokens per row a tree of ``nodes`` nodes (one of :attr:`budgets`; default the largest) commits: one, plus
+        what each size up to it adds over the size below it (the smallest, over a plain step). Each addition is its
+        mean over the tree passes that tell it (decayed like the acceptance counts) with one pseudo-pass at the
+        chains' prior (the size of ``n`` nodes as a chain of ``n``), raised by ``optimism`` standard errors. Like the
+        chains' depths, a size the loop has not drafted lately keeps what it adds to the smaller ones while they
+        are re-measured; estimated on its own it would sink to its prior while they rose, and look no better than
+        a smaller size that costs less. A mean weighted like the chains' counts, not a moving average started at
+        the first pass: one unlucky first tree pass (one token) weighs as one pass (a moving average kept it at
+        97 %, and in a trace over SmolLM2's demo prompts such a start kept the estimate below 1.2 for 12 calls)."""
+        nodes = self.k_max if nodes is None else nodes
+        total, below = 1.0, 0
+        for i, size in enumerate(self.budgets):
+            if size > nodes:
+                break
+            prior = sum(_PRIOR_ACCEPTANCE**j for j in range(below + 1, size + 1))
+            n = self.tree_passes[i] + 1.0
+            mean = (self.tree_sum[i] + prior) / n
+            variance = max((self.tree_sq[i] + prior**2) / n - mean * mean, 0.0)
+            total += mean + optimism * (variance / n) ** 0.5
+            below = size
+        return total
 
     @property
     def step_time(self) -> float | None:
@@ -277,12 +303,25 @@ class DraftLengthController:
 
     def cost_bound(self, k: int) -> float | None:
         """``k``'s measured cost, else the cheapest measured cost of a longer draft (a pass never costs less for
-        drafting more, so that bounds it from above); ``None`` when neither was measured."""
+        drafting more, so that bounds it from above); ``None`` when neither was measured. A tree size not measured
+        yet is priced on the line between the nearest measured sizes around it (a plain step costs 1): a tree's
+        sizes lie far apart (1 to 16 nodes), and priced at the larger size's cost a small tree never looks worth a
+        probe where the sizes next to the largest commit little more for their cost, however well a small one
+        would pay. Drafting it measures it."""
         cost = self.relative_cost(k)
         if cost is not None or k <= 0:
             return cost
-        longer = [c for j in self.times if j > k and (c := self.relative_cost(j)) is not None]
-        return min(longer) if longer else None
+        measured = {j: c for j in self.times if (c := self.relative_cost(j)) is not None}
+        longer = {j: c for j, c in measured.items() if j > k}
+        if not longer:
+            return None
+        if not self.tree:
+            return min(longer.values())
+        shorter = max((j for j in measured if j < k), default=None)
+        above = min(longer)
+        if shorter is None:
+            return longer[above]
+        return measured[shorter] + (longer[above] - measured[shorter]) * (k - shorter) / (above - shorter)
 
     def rate(
         self, k: int, pending_slots: int = 0, steps_left: int | None = None, optimism: float = 0.0
@@ -302,7 +341,7 @@ class DraftLengthController:
         return steps_left / (catchup + steps_left * cost / tokens)
 
     def arms(self) -> list[int]:
-        return [0, self.k_max] if self.tree else list(range(self.k_max + 1))
+        return [0, *self.budgets] if self.tree else list(range(self.k_max + 1))
 
     def best(
         self, limit: int | None = None, pending_slots: int = 0, steps_left: int | None = None, optimism: float = 0.0
@@ -439,6 +478,7 @@ class DraftLengthController:
         catchup_seconds: float = 0.0,
         catchup_slots: int = 0,
         ends: torch.Tensor | None = None,
+        accepted_nodes: torch.Tensor | None = None,
     ):
         """Records a pass: ``k`` asked for, per-row ``drafted`` tokens and ``committed`` tokens, which rows were
         still generating (``active``), and the pass's wall time. ``lookup``: the pass verified prompt-lookup copies
@@ -446,7 +486,9 @@ class DraftLengthController:
         through :meth:`record_copies`). ``catchup_seconds``: the part of
         ``seconds`` the drafter spent catching up on ``catchup_slots`` slots of earlier plain steps (measured apart,
         so a draft length's cost is its own). ``ends``: the rows' lengths after the pass; with several rows, the
-        pass counts as the progress of the row furthest behind (:func:`_lagging_row`)."""
+        pass counts as the progress of the row furthest behind (:func:`_lagging_row`). ``accepted_nodes``: for a
+        tree listed best first, ``(batch, A)`` each row's accepted path as node indices, ``-1`` padded (then the
+        pass also tells what each smaller tree size would have committed)."""
         self.passes += 1
         act = active.bool().cpu()
         self._charge_probe(seconds, committed, act, ends)
@@ -456,15 +498,25 @@ class DraftLengthController:
             return
         self.times.setdefault(k, deque(maxlen=self.window)).append(seconds)
         if catchup_slots:
-            self.catchup.append((catchup_slots, catchup_seconds))
-            if self.widest_catchup is None or catchup_slots >= self.widest_catchup[0]:
-                self.widest_catchup = (catchup_slots, catchup_seconds)
+            self.record_catchup(catchup_slots, catchup_seconds)
         if k <= 0 or not bool(act.any()):
             return
         drafted_rows, committed_rows = drafted.cpu()[act].tolist(), committed.cpu()[act].tolist()
-        if ends is not None and len(committed_rows) > 1:
-            drafted_rows, committed_rows = _lagging_row(drafted_rows, committed_rows, ends.cpu()[act].tolist())
+        ends_rows = None if ends is None else ends.cpu()[act].tolist()
+        if self.tree:
+            paths = None if accepted_nodes is None else accepted_nodes.cpu()[act].tolist()
+            self._record_tree(k, committed_rows, ends_rows, paths)
+            return
+        if ends_rows is not None and len(committed_rows) > 1:
+            drafted_rows, committed_rows = _lagging_row(drafted_rows, committed_rows, ends_rows)
         self._record_acceptance(drafted_rows, committed_rows)
+
+    def record_catchup(self, slots: int, seconds: float) -> None:
+        """Records the drafter's batched pass over ``slots`` verified slots it had not seen: a catch-up after plain
+        steps (:meth:`update`), or its pass over a call's prompt (the loop times it alike)."""
+        self.catchup.append((slots, seconds))
+        if self.widest_catchup is None or slots >= self.widest_catchup[0]:
+            self.widest_catchup = (slots, seconds)
 
     def _charge_probe(self, seconds: float, committed: torch.Tensor, act: torch.Tensor, ends) -> None:
         """Adds the pass's time (catch-up included) to the time measured and, when it explored, what it cost over
@@ -480,13 +532,32 @@ class DraftLengthController:
             progress = min(done)
         self.probe_loss_seconds += seconds - progress * step
 
+    def _record_tree(self, nodes: int, committed: list[int], ends: list[int] | None, paths: list | None) -> None:
+        """Records what a tree pass of ``nodes`` nodes tells: given the rows' accepted ``paths`` (node indices of a
+        tree listed best first), what each size up to ``nodes`` adds over the size below it (a path's nodes among
+        the first ``n`` are what the tree of ``n`` accepts); without them (a policy of one size), what the tree adds
+        over a plain step. A size's tokens are the call's progress (:func:`batch_progress`; the rows' mean without
+        ``ends``)."""
+        if paths is None and len(self.budgets) > 1:
+            raise ValueError(
+                "A tree of several sizes needs the rows' accepted paths (accepted_nodes) to record a pass."
+            )
+        starts = None if ends is None or len(committed) < 2 else [e - c for e, c in zip(ends, committed)]
+        below = 1.0
+        for i, size in enumerate(self.budgets):
+            self.tree_passes[i] *= self.decay
+            self.tree_sum[i] *= self.decay
+            self.tree_sq[i] *= self.decay
+            if size > nodes:
+                continue
+            done = committed if paths is None else _committed_within(size, committed, paths)
+            tokens = statistics.fmean(done) if starts is None else batch_progress(starts, done)
+            self.tree_passes[i] += 1.0
+            self.tree_sum[i] += tokens - below
+            self.tree_sq[i] += (tokens - below) ** 2
+            below = tokens
+
     def _record_acceptance(self, drafted: list[int], committed: list[int]) -> None:
-        if self.tree:
-            mean = sum(committed) / len(committed)
-            self.tree_passes = self.decay * self.tree_passes + 1.0
-            self.tree_sum = self.decay * self.tree_sum + mean
-            self.tree_sq = self.decay * self.tree_sq + mean * mean
-            return
         for d in range(1, self.k_max + 1):
             self.reached[d] *= self.decay
             self.accepted[d] *= self.decay
@@ -514,6 +585,20 @@ def _lagging_row(drafted: list[int], committed: list[int], ends: list[int]) -> t
     return [drafted[j]], [min(progress, drafted[j] + 1)]
 
 
+def _committed_within(size: int, committed: list[int], paths: list[list[int]]) -> list[int]:
+    """What each row would have committed with the tree's first ``size`` nodes: its accepted path's nodes among them
+    and the target's token after them (at most what it committed: a pass is cut at EOS and the length limit)."""
+    return [min(c, 1 + sum(0 <= node < size for node in path)) for c, path in zip(committed, paths)]
+
+
+def _tree_budgets(k_max: int, budgets) -> tuple[int, ...]:
+    """The tree sizes a tree's controller chooses among, checked: ``k_max`` alone by default."""
+    sizes = tuple(sorted({int(b) for b in budgets})) if budgets else (k_max,)
+    if sizes[0] < 1 or sizes[-1] != k_max:
+        raise ValueError(f"Tree budgets must lie in [1, {k_max}] and include {k_max}; got {list(sizes)}.")
+    return sizes
+
+
 class DraftLengthMemory:
     """What the adaptive length has learnt for one drafter: a :class:`DraftLengthController` per target and setting
     (device, batch size, decoding mode, tree policy, ``K_max``), so a later ``generate`` call starts from what earlier
@@ -528,14 +613,17 @@ class DraftLengthMemory:
         self._lock = threading.Lock()
         self._by_target: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def controller(self, target, k_max: int, tree_key, bsz: int, do_sample: bool, device, variant: tuple = ()):
+    def controller(
+        self, target, k_max: int, tree_key, bsz: int, do_sample: bool, device, variant: tuple = (), budgets=None
+    ):
         """The controller for this setting (created cold on first use); ``variant``: drafting options that differ
-        from the loop's defaults (calls that draft differently learn apart)."""
+        from the loop's defaults (calls that draft differently learn apart); ``budgets``: a tree's sizes (the tree
+        key sets them)."""
         key = (str(device), int(bsz), bool(do_sample), tree_key, int(k_max), variant)
         with self._lock:
             memory = self._by_target.setdefault(target, {})
             if key not in memory:
-                memory[key] = DraftLengthController(k_max, tree=tree_key is not None)
+                memory[key] = DraftLengthController(k_max, tree=tree_key is not None, budgets=budgets)
             return memory[key]
 
     def reset(self) -> None:
@@ -556,7 +644,7 @@ def draft_length_memory(drafter) -> DraftLengthMemory:
 
 
 def controller_for(
-    drafter, target, k_max: int, tree_key, bsz: int, do_sample: bool, device, variant: tuple = ()
+    drafter, target, k_max: int, tree_key, bsz: int, do_sample: bool, device, variant: tuple = (), budgets=None
 ) -> DraftLengthController:
     """The drafter's controller for this target and setting (see :class:`DraftLengthMemory`)."""
-    return draft_length_memory(drafter).controller(target, k_max, tree_key, bsz, do_sample, device, variant)
+    return draft_length_memory(drafter).controller(target, k_max, tree_key, bsz, do_sample, device, variant, budgets)

@@ -787,8 +787,9 @@ class SpeculativeDecoder:
         self.controller = None
         if options.draft_length == "adaptive":
             tree_key, k, variant = options.controller_key()
+            budgets = None if options.policy is None else options.policy.node_budgets
             self.controller = controller_for(drafter, model, k, tree_key, self.bsz, options.do_sample, self.work,
-                                             variant=variant)  # fmt: skip
+                                             variant=variant, budgets=budgets)  # fmt: skip
             self.controller.begin_call()
         self.copy_outcomes = CopyOutcomes()  # the rows' lookup copies, scored once their text is known
         self.plain_steps = 0
@@ -847,11 +848,21 @@ class SpeculativeDecoder:
             self.pending.append(prompt)
             self.prompt_waits = True
         else:
-            drafter.observe(self.state, prompt)
+            self._observe_prompt(prompt)
         stats.add("draft_s", t0)
         self.vocab = raw0.shape[-1]
         self.selector = _DraftSelector(self.processor, self.seq, self.committed.lengths, self.starts,
                                        self.options.do_sample, self.vocab, self.options.copy_threshold)  # fmt: skip
+
+    def _observe_prompt(self, prompt: DraftInputs) -> None:
+        """The drafter's pass over the prompt, now; for a drafter that observes in batches, timed as a catch-up over
+        the prompt's slots (the same batched pass: every call's prompt then tells the adaptive length what a
+        catch-up costs per slot, which small catch-ups after a few plain steps, their fixed cost dominating, do
+        not)."""
+        t0 = self.stats.clock()
+        self.drafter.observe(self.state, prompt)
+        if self.controller is not None and self.drafter.observe_in_batches:
+            self.controller.record_catchup(prompt.next_token_ids.shape[1], self.stats.clock() - t0)
 
     def _prompt_can_wait(self) -> bool:
         """Whether the drafter's pass over the prompt waits until the adaptive length first drafts: yes when what
@@ -891,17 +902,25 @@ class SpeculativeDecoder:
         if step.k > 0:
             self.stats.timings["drafting_s"] += (t1 - step.t_start - step.catchup_s) + (t4 - t3)
         if self.controller is not None and not step.forced:
+            paths = verified.feedback.accepted_nodes if self._nested_tree(step) else None
             self.controller.update(step.k, drafted, committed, ~finished_before, t4 - step.t_start, step.lookup_only,
-                                   step.catchup_s, step.catchup_slots, self.committed.lengths)  # fmt: skip
+                                   step.catchup_s, step.catchup_slots, self.committed.lengths, paths)  # fmt: skip
         self.step_index += 1
+
+    def _nested_tree(self, step: _Pass) -> bool:
+        """Whether the pass drafted a tree whose first ``n`` nodes are its tree of ``n`` (its accepted path then tells
+        the adaptive length what each smaller size would have committed)."""
+        policy = self.options.policy
+        return step.k > 0 and policy is not None and len(policy.node_budgets) > 1
 
     def _plan(self) -> _Pass:
         """How many tokens to draft: the adaptive length's choice (0: a plain step), or always ``k_max``; and, with
         the adaptive length, whether the rows' prompt-lookup copies go first (:meth:`_copies_first`)."""
         limit = self.committed.remaining() - 1  # a pass never drafts past the length limit
         pending_slots = self._pending_slots()
-        if self.controller is None:
-            k = min(self.options.k_max, limit)
+        if self.controller is None:  # the longest chain that fits, or the whole tree (the loop caps what it commits)
+            policy = self.options.policy
+            k = min(self.options.k_max, limit) if policy is None or limit <= 0 else policy.max_nodes
         else:
             k = self.controller.choose(limit, pending_slots)
         step = _Pass(k=k, limit=limit, t_start=self.stats.clock())
@@ -1004,8 +1023,9 @@ class SpeculativeDecoder:
             self.plain_steps += not step.lookup_only
             return
         if opts.policy is not None:
-            step.proposal = opts.policy.propose(self.drafter, self.state)
-            self.stats.draft_steps += opts.policy.max_depth
+            policy = opts.policy if step.k >= opts.policy.max_nodes else opts.policy.with_budget(step.k)
+            step.proposal = policy.propose(self.drafter, self.state)
+            self.stats.draft_steps += policy.max_depth
             _check_proposal(step.proposal, self.bsz, step.k, self.drafter)
             return
         self.selector.lengths = lengths
@@ -1149,7 +1169,7 @@ def speculative_generate(
             ``generate`` routes these keywords here.
         draft_length: ``"adaptive"`` (default): each pass drafts the length, from 0 (a plain step) to
             ``num_draft_tokens``, that maximises the expected tokens per second measured so far (see
-            :mod:`hf_specdec.generation.adaptive`); for trees, the tree or a plain step. ``"fixed"``: always
+            :mod:`hf_specdec.generation.adaptive`); for trees, one of the tree's sizes or a plain step. ``"fixed"``: always
             ``num_draft_tokens`` (or the whole tree). Also read from ``generation_config.draft_length``.
         lookup_tokens: prompt lookup merged into chains (:mod:`hf_specdec.generation.ngram`): a row whose
             drafted chain starts like the continuation of the latest earlier occurrence of its last 2-3 tokens

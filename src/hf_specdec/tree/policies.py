@@ -18,6 +18,10 @@ Two policies ship:
 * :class:`DynamicTree` (EAGLE-2): each node is valued by the product of draft probabilities along its path; each
   depth expands the ``top_k`` best frontier nodes, each proposing ``top_k`` children; finally the ``total_tokens``
   best nodes of all depths form the tree (an ancestor-closed set, since a child is never worth more than its parent).
+  Its nodes are listed best first, so the first ``n`` of them are the tree of ``n`` nodes: one pass tells what any
+  smaller tree would have committed, and the adaptive length chooses the tree's size among
+  :attr:`TreePolicy.node_budgets` (:meth:`TreePolicy.with_budget` builds each one, drafting only as deep and as wide
+  as it needs).
 
 Trees are deterministic functions of the draft distributions (top-k choices), which the lossless sampling verifier
 treats as point masses, so sampling stays exact.
@@ -82,6 +86,20 @@ class TreePolicy:
     @property
     def max_depth(self) -> int:
         raise NotImplementedError
+
+    @property
+    def node_budgets(self) -> tuple[int, ...]:
+        """The tree sizes (draft nodes) the adaptive length chooses among, the largest being :attr:`max_nodes`. A
+        policy offers several only when it lists its nodes best first, so that the first ``n`` nodes of a proposal
+        are the tree :meth:`with_budget` builds for ``n`` (the loop then learns every size's tokens per pass from
+        each pass)."""
+        return (self.max_nodes,)
+
+    def with_budget(self, nodes: int) -> TreePolicy:
+        """This policy's tree of ``nodes`` draft nodes, one of :attr:`node_budgets`."""
+        if nodes != self.max_nodes:
+            raise ValueError(f"{type(self).__name__} builds trees of {self.max_nodes} nodes only, not {nodes}.")
+        return self
 
     def for_vocabulary(self, vocab: int) -> TreePolicy:
         """This policy for a drafter that drafts over ``vocab`` tokens: sizes capped at what that vocabulary can
@@ -236,6 +254,28 @@ class DynamicTree(TreePolicy):
     def max_depth(self) -> int:
         return self.depth
 
+    @property
+    def node_budgets(self) -> tuple[int, ...]:
+        """Powers of two below ``total_tokens``, and ``total_tokens``: (1, 2, 4, 8, 16) for a tree of 16 nodes. With
+        ``keep_greedy_path``, a size up to ``depth`` is the drafter's greedy chain of that length."""
+        powers = [1 << i for i in range(self.total_tokens.bit_length()) if 1 << i < self.total_tokens]
+        return (*powers, self.total_tokens)
+
+    def with_budget(self, nodes: int) -> DynamicTree:
+        """The best ``nodes`` nodes of this tree, drafted only as deep and as wide as they can reach. A node of the
+        best ``n`` has its ancestors among them, so it lies at depth ``n`` at most, and fewer than ``n`` better
+        siblings and better nodes at its depth, so expanding ``min(top_k, n)`` nodes per depth, with as many
+        children each, finds it. With ``keep_greedy_path`` the greedy chain takes ``d = min(depth, n)`` of the
+        nodes and the others are the best ``n - d`` of the rest, so ``1 + n - d`` nodes per depth suffice (one: the
+        chain alone). The proposal equals the first ``nodes`` nodes of this policy's own."""
+        if not 1 <= nodes <= self.total_tokens:
+            raise ValueError(f"A tree budget must lie in [1, {self.total_tokens}], got {nodes}.")
+        depth = min(self.depth, nodes)
+        wide = 1 + nodes - depth if self.keep_greedy_path else nodes
+        budget = copy.copy(self)
+        budget.depth, budget.top_k, budget.total_tokens = depth, min(self.top_k, wide), nodes
+        return budget
+
     def propose(self, drafter, state) -> Proposal:
         _check_drafter(drafter)
         root_logits, vocab_ids = drafter.tree_start(state)
@@ -300,16 +340,18 @@ class DynamicTree(TreePolicy):
         tokens = torch.cat(pool_tokens, dim=1)
         values = torch.cat(pool_value, dim=1).masked_fill(torch.cat(pool_greedy, dim=1), float("inf"))
         n = min(self.total_tokens, tokens.shape[1])
-        # Top-n by value (the greedy chain first); a stable sort keeps a parent before an equally valued child, so
-        # the set is ancestor-closed (the greedy chain is closed too, and so is the union).
-        order = torch.sort(values, dim=1, descending=True, stable=True).indices[:, :n]
-        chosen = torch.sort(order, dim=1).values  # creation order: parents first
+        # Top-n by value, best first (the greedy chain first); a stable sort keeps a parent before an equally valued
+        # child, so every prefix is ancestor-closed (the greedy chain is closed too, and so is the union) and lists
+        # parents before their children.
+        chosen = torch.sort(values, dim=1, descending=True, stable=True).indices[:, :n]
         new_index = torch.full((bsz, tokens.shape[1]), -1, dtype=torch.long, device=dev)
         new_index.scatter_(1, chosen, torch.arange(n, device=dev)[None].expand(bsz, n))
         old_parent = all_parent.gather(1, chosen)
         parents = torch.where(old_parent >= 0, new_index.gather(1, old_parent.clamp_min(0)), old_parent)
         if bool((parents[old_parent >= 0] < 0).any()):  # pragma: no cover - guarded by the stable sort
             raise RuntimeError("EAGLE-2 tree selection produced a node without its parent.")
+        if k == 1:  # one node per depth: the chain it is, whose target pass runs causally, without a tree mask
+            return Proposal(tokens=tokens.gather(1, chosen))
         return Proposal(tokens=tokens.gather(1, chosen), kind="tree", parents=parents)
 
 
