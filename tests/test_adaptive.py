@@ -689,6 +689,36 @@ def test_lookup_passes_in_place_of_plain_steps_keep_greedy_identity(monkeypatch,
     assert out.timings["plain_steps"] + out.timings["lookup_passes"] == out.timings["passes"]
 
 
+class _TreeOrCopy(DraftLengthController):
+    """Always asks for the whole tree and always takes a lookup copy when every row has one."""
+
+    def choose(self, limit, pending_slots=0):
+        return self.k_max
+
+    def use_lookup(self, chosen_rate=1.0):
+        return True
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_tree_pass_gives_way_to_copies_every_row_has_and_keeps_greedy_identity(monkeypatch, batch):
+    """A tree cannot carry a copy beside it, so copies are verified alone, in place of the tree pass, where every
+    row still generating has one; the other passes draft the tree."""
+    monkeypatch.setattr(adaptive, "DraftLengthController", _TreeOrCopy)
+    target = make_target("llama", sharpen=3.0)
+    ids, mask = repetitive_prompt(batch)
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None)
+    torch.manual_seed(0)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config)).eval()
+    out = target.generate(
+        ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=40, do_sample=False, lookup_tokens=6,
+        eos_token_id=None, tree="eagle2", tree_depth=3, tree_top_k=2, tree_total_tokens=6, return_dict_in_generate=True,
+    )  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    assert out.timings["lookup_passes"] > 0 and out.timings["draft_steps"] > 0  # copies alone, trees otherwise
+    assert out.timings["plain_steps"] == 0
+    assert max(max(row) for row in out.accepted_lengths) > 1
+
+
 class _Recording:
     """Keeps the copies' outcomes the loop records."""
 

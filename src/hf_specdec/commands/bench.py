@@ -20,13 +20,13 @@ def _demo_target_of(args):
 
 def _chain_variants(args, chain: bool):
     """``(draft_length, lookup_tokens, copy_threshold, grammar forced tokens)`` of each row a drafter gets per K:
-    every combination of the values asked for (``None``: the loop's default; prompt lookup and the n-gram copies
-    are chain options, so trees take the default)."""
+    every combination of the values asked for (``None``: the loop's default; the n-gram copies are a chain option,
+    so trees take the default; prompt lookup applies to both: a tree pass's copies are verified alone)."""
     import itertools
 
     return itertools.product(
         args.draft_length or [None],
-        (args.lookup_tokens or [None]) if chain else [None],
+        args.lookup_tokens or [None],
         (args.copy_threshold or [None]) if chain else [None],
         args.grammar_forced_tokens or [None],
     )
@@ -82,7 +82,7 @@ def _bench_methods(args, target):
                             verifier_options=_verifier_options(args, verifier),
                             draft_options=draft_options,
                             draft_length=(args.draft_length or [None])[0],
-                            lookup_tokens=(args.lookup_tokens or [None])[0] if chain else None,
+                            lookup_tokens=(args.lookup_tokens or [None])[0],
                         )
                     )
         for options in _draft_option_args(args):  # extra chain rows with drafting options the family declares
@@ -407,14 +407,15 @@ def add_parsers(sub) -> None:
 
 
 def _add_copy_flags(p) -> None:
-    """The chain's copying from the text: prompt lookup merged into chains, and the n-gram copies inside them."""
+    """Copying from the text: prompt lookup (merged into chains, verified alone in place of a tree pass), and the
+    n-gram copies inside chains."""
     p.add_argument(
         "--lookup-tokens",
         type=int,
         nargs="+",
         default=None,
-        help="lengths of the prompt-lookup copies merged into drafted chains to measure (default: the loop's, 10; "
-        "0: off)",
+        help="lengths of the prompt-lookup copies merged into drafted chains (verified alone in place of a tree pass) "
+        "to measure (default: the loop's, 10; 0: off)",
     )
     p.add_argument(
         "--copy-threshold",

@@ -601,7 +601,8 @@ class DecodingOptions:
         draft_options: the drafter family's own options (``init_draft_state`` keywords).
         tree_kwargs / policy: the tree options and their policy (``None``: chains).
         draft_length: ``"adaptive"`` or ``"fixed"``.
-        lookup_tokens: longest prompt-lookup copy merged into chains (0: off; always 0 with trees).
+        lookup_tokens: longest prompt-lookup copy merged into chains, or verified alone in place of a pass (0: off;
+            with trees, alone only).
         copy_threshold: a chain drafts the n-gram copy's token where the drafter's top probability is at most this
             (0: off; chains only).
         forced_tokens: whether chains verify the tokens a grammar processor forces before asking the drafter.
@@ -646,9 +647,7 @@ class DecodingOptions:
         copy_threshold = _copy_threshold(generation_config, copy_threshold, lookup_tokens)
         k_max = min(k_max, max_new)  # no pass commits more tokens than are left
         _check_draft_depth(drafter, policy, k_max)
-        if policy is not None:
-            lookup_tokens = 0  # trees: the copy would be a branch; merged into chains only for now
-        width_max = policy.max_nodes if policy is not None else max(k_max, lookup_tokens)
+        width_max = max(policy.max_nodes if policy is not None else k_max, lookup_tokens)
         return cls(
             k_max=k_max, do_sample=do_sample, verifier=get_verifier(verifier, do_sample, **verifier_options),
             draft_options=draft_options, tree_kwargs=tree_kwargs, policy=policy, draft_length=draft_length,
@@ -925,12 +924,16 @@ class SpeculativeDecoder:
             k = self.controller.choose(limit, pending_slots)
         step = _Pass(k=k, limit=limit, t_start=self.stats.clock())
         step.copy = self._copies_first(step, pending_slots)
-        if step.copy is not None and bool((step.copy.lengths > 0)[~self.committed.finished].all()):
+        if step.copy is not None and self._every_row_has(step.copy):
             step.k = 0  # every row verifies its copy: nothing to draft
         if step.k > 0 and self.pending:  # the drafter catches up on the plain steps (and prompt) it did not see
             self._catch_up()
             step.catchup_s, step.catchup_slots = self.stats.clock() - step.t_start, pending_slots
         return step
+
+    def _every_row_has(self, copy: Proposal) -> bool:
+        """Whether every row still generating has a token to verify in ``copy``."""
+        return bool((copy.lengths > 0)[~self.committed.finished].all())
 
     def _pending_slots(self) -> int:
         return sum(p.next_token_ids.shape[1] for p in self.pending)
@@ -948,10 +951,10 @@ class SpeculativeDecoder:
         jump-forward tokens), else prompt-lookup copies when they pay (:meth:`_lookup_copies`). ``None`` when no row
         has any."""
         opts, limit = self.options, step.limit
-        if opts.policy is not None or limit <= 0:
+        if limit <= 0:
             return None
         copy = self._lookup_copies(step, pending_slots)
-        forced = self._forced_tokens(min(limit, opts.width_max)) if opts.forced_tokens else None
+        forced = self._forced_tokens(min(limit, opts.width_max)) if opts.forced_tokens and opts.policy is None else None
         if forced is None:
             return copy
         step.forced = True
@@ -968,8 +971,8 @@ class SpeculativeDecoder:
         copy = lookup_proposal(self.seq, self.starts, self.committed.lengths, min(opts.lookup_tokens, step.limit),
                                self.vocab, opts.do_sample, ~self.committed.finished)  # fmt: skip
         copy = self._grammar_valid(copy)
-        if copy is None:
-            return None
+        if copy is None or (opts.policy is not None and not self._every_row_has(copy)):
+            return None  # a tree pass cannot carry a copy beside the tree: copies only where they replace it
         self.copy_outcomes.add(copy, self.committed.lengths, ~self.committed.finished)
         chosen = self.controller.rate(step.k, pending_slots) if step.k > 0 else 1.0
         return copy if self.controller.use_lookup(chosen or 1.0) else None
