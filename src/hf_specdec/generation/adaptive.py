@@ -70,7 +70,8 @@ steps). A size not measured yet is priced between the measured ones around it (:
 
 Prompt lookup gets its own chance before the drafter: when some row's last n-gram occurred before, the pass can
 verify the copied continuations (:func:`hf_specdec.generation.ngram.lookup_proposal`) instead of a plain step or the
-chosen draft, without drafting when every row has a copy (rows without one draft their chain). The drafter fails
+chosen draft, without drafting when every row has a copy (rows without one draft their chain; a tree pass gives way
+only where every row has one). The drafter fails
 most where the target copies from its prompt (summaries quoting the article, answers quoting passages), and that is
 where a copy holds. Lookup passes' tokens per pass and pass time are measured separately
 (:meth:`DraftLengthController.use_lookup`): copies go first while they commit more tokens per second than the chosen

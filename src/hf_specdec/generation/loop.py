@@ -1177,8 +1177,9 @@ def speculative_generate(
         lookup_tokens: prompt lookup merged into chains (:mod:`hf_specdec.generation.ngram`): a row whose
             drafted chain starts like the continuation of the latest earlier occurrence of its last 2-3 tokens
             drafts that copy instead, up to this many tokens. With the adaptive length, a pass that would be a
-            plain step verifies the copies alone where that is measured to pay. Default 10; 0 turns it off. Also
-            read from ``generation_config.lookup_tokens``.
+            plain step verifies the copies alone where that is measured to pay; with a tree, the copies are verified
+            alone, in place of the tree pass, where every row has one and that pays. Default 10; 0 turns it off.
+            Also read from ``generation_config.lookup_tokens``.
         copy_threshold: at each draft position of a chain where the drafter's top probability is at most this, a row
             drafts the token that followed the latest earlier occurrence of its last 2-3 tokens (committed and
             drafted) instead, where there is one (:mod:`hf_specdec.generation.ngram`). Default 0.7, or 0 with
