@@ -709,9 +709,10 @@ def test_a_tree_pass_gives_way_to_copies_every_row_has_and_keeps_greedy_identity
     ref = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None)
     torch.manual_seed(0)
     drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config)).eval()
+    # Copies of up to 10 tokens (the default), wider than the tree's 6 nodes.
     out = target.generate(
-        ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=40, do_sample=False, lookup_tokens=6,
-        eos_token_id=None, tree="eagle2", tree_depth=3, tree_top_k=2, tree_total_tokens=6, return_dict_in_generate=True,
+        ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=40, do_sample=False, eos_token_id=None,
+        tree="eagle2", tree_depth=3, tree_top_k=2, tree_total_tokens=6, return_dict_in_generate=True,
     )  # fmt: skip
     assert torch.equal(out.sequences, ref)
     assert out.timings["lookup_passes"] > 0 and out.timings["draft_steps"] > 0  # copies alone, trees otherwise

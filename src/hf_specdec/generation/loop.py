@@ -662,7 +662,7 @@ class DecodingOptions:
         threshold is not the call's default (``()`` otherwise): the copies change what every draft depth accepts, so calls
         that differ in it learn apart (a benchmark's rows, say)."""
         if self.policy is not None:
-            return tuple(sorted((k, repr(v)) for k, v in self.tree_kwargs.items())), self.width_max, ()
+            return tuple(sorted((k, repr(v)) for k, v in self.tree_kwargs.items())), self.policy.max_nodes, ()
         default = _default_copy_threshold(self.lookup_tokens)
         variant = () if self.copy_threshold == default else (("copy_threshold", self.copy_threshold),)
         return None, self.k_max, variant
@@ -1172,8 +1172,9 @@ def speculative_generate(
             ``generate`` routes these keywords here.
         draft_length: ``"adaptive"`` (default): each pass drafts the length, from 0 (a plain step) to
             ``num_draft_tokens``, that maximises the expected tokens per second measured so far (see
-            :mod:`hf_specdec.generation.adaptive`); for trees, one of the tree's sizes or a plain step. ``"fixed"``: always
-            ``num_draft_tokens`` (or the whole tree). Also read from ``generation_config.draft_length``.
+            :mod:`hf_specdec.generation.adaptive`); for trees, one of the tree's sizes or a plain step.
+            ``"fixed"``: always ``num_draft_tokens`` (or the whole tree). Also read from
+            ``generation_config.draft_length``.
         lookup_tokens: prompt lookup merged into chains (:mod:`hf_specdec.generation.ngram`): a row whose
             drafted chain starts like the continuation of the latest earlier occurrence of its last 2-3 tokens
             drafts that copy instead, up to this many tokens. With the adaptive length, a pass that would be a
