@@ -658,6 +658,50 @@ def test_tree_sampling_is_lossless_and_the_subtle_bug_is_caught(verifier, lossle
         assert min(p_joint, p_second) < 1e-6, (p_joint, p_second)
 
 
+class _FixedTreeSize(DraftLengthController):
+    """Always drafts one tree size (``size``, set per test)."""
+
+    size = 0
+
+    def choose(self, limit, pending_slots=0):
+        return self.size
+
+
+@pytest.mark.parametrize(
+    "size,verifier,lossless", [(2, None, True), (4, None, True), (2, "residual_is_p_bug_test", False)]
+)
+def test_sampling_is_lossless_with_every_tree_size(monkeypatch, size, verifier, lossless):
+    """The EAGLE-2 tree (depth 2, top-k 3, 6 nodes) drafted at a size the adaptive length chose: 2 nodes are the
+    greedy chain, proposed and verified as a chain; 4 nodes a tree. The joint law of two tokens matches plain
+    sampling, and the control with the residual replaced by p fails."""
+    from hf_specdec.verification import register_verifier
+
+    register_verifier(ResidualIsPBug)
+    monkeypatch.setattr(adaptive, "DraftLengthController", _FixedTreeSize)
+    monkeypatch.setattr(_FixedTreeSize, "size", size)
+    torch.manual_seed(0)
+    target = _tree_sampling_target()
+    drafter = RootHeadDrafter(RootHeadConfig.for_target(target.config)).eval()
+    prompt = torch.tensor([1, 7, 9, 14])
+    joint = _exact_second_third(target, prompt)
+    out = target.generate(
+        prompt[None].expand(6000, -1), assistant_model=drafter, do_sample=True, max_new_tokens=3, tree="eagle2",
+        tree_depth=2, tree_top_k=3, tree_total_tokens=6, verifier=verifier, top_k=0, temperature=1.0,
+        eos_token_id=None, lookup_tokens=0, return_dict_in_generate=True,
+    )  # fmt: skip
+    gen = out.sequences[:, prompt.shape[0] :]
+    v = joint.shape[0]
+    counts = torch.bincount(gen[:, 1] * v + gen[:, 2], minlength=v * v).double()
+    p_joint = _chi_square_pvalue(counts, joint.flatten().double())
+    assert {d for row in out.draft_lengths for d in row} == {size}
+    acc = [a for row in out.accepted_lengths for a in row]
+    assert min(acc) == 1 and max(acc) == 2
+    if lossless:
+        assert p_joint > 1e-3, p_joint
+    else:
+        assert p_joint < 1e-6, p_joint
+
+
 def test_residual_helper():
     p = torch.tensor([[0.5, 0.3, 0.2]])
     q = torch.tensor([[1.0, 0.0, 0.0]])
