@@ -455,7 +455,7 @@ def test_a_tree_pass_tells_what_each_smaller_size_commits():
 
 
 def _tree_sizes_chosen(cost_per_node: float, passes: int = 300) -> list[int]:
-    """Tree passes whose cost grows by ``cost_per_node`` plain steps a node (a CPU: about 0.06; a GPU: about 0)
+    """Tree passes whose cost grows by ``cost_per_node`` plain steps a node (SmolLM2 on this CPU: about 0.06)
     and whose accepted path is nodes 0, 1 and 9 of the tree: sizes 1, 2, 4, 8 and 16 commit 2, 3, 3, 3 and 4
     tokens. Returns the sizes chosen after the first two passes."""
     ctrl = DraftLengthController(16, tree=True, budgets=SIZES)
@@ -473,7 +473,8 @@ def _tree_sizes_chosen(cost_per_node: float, passes: int = 300) -> list[int]:
 def test_the_tree_size_the_hardware_pays_for_is_chosen():
     """On a CPU (a node costs 0.06 plain steps) two nodes pay best: 3 tokens for 1.17 steps against 4 for 2.01 with
     the whole tree; the sizes next to the whole tree (8: 3 tokens for 1.53) pay no better than it, so probing
-    neighbours alone would never reach it. Where nodes cost next to nothing (a GPU), the whole tree pays best."""
+    neighbours alone would never reach it. Where nodes cost next to nothing (a memory-bound accelerator), the whole
+    tree pays best."""
     cpu = _tree_sizes_chosen(0.06)
     assert cpu[100:].count(2) >= 180, cpu
     gpu = _tree_sizes_chosen(0.001)
