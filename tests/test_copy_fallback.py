@@ -142,6 +142,27 @@ def test_copies_lift_an_unsure_drafter_on_repetitive_text():
     assert alone.accepted_lengths[0] == committed[0.0]
 
 
+def test_a_trees_chain_shaped_size_drafts_the_copies_too():
+    """An EAGLE-2 tree of one node per depth is the drafter's chain: it is drafted as one, so the copies lift it on
+    repetitive text as they lift a chain (without them the fresh drafter is never right), and the output is the
+    same."""
+    target = make_target("llama")
+    ids = torch.arange(6, 30)[None].repeat(1, 3)
+    ref = target.generate(ids, max_new_tokens=30, do_sample=False)
+    torch.manual_seed(0)
+    drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3))
+    tree = dict(tree="eagle2", tree_depth=3, tree_top_k=1, tree_total_tokens=3)
+    committed = {}
+    for threshold in (0.0, 1.0):
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False, draft_length="fixed",
+                              lookup_tokens=0, copy_threshold=threshold, return_dict_in_generate=True,
+                              **tree)  # fmt: skip
+        assert torch.equal(out.sequences, ref)
+        committed[threshold] = out.accepted_lengths[0]
+    assert max(committed[0.0]) == 1
+    assert max(committed[1.0]) == 4 and len(committed[1.0]) < len(committed[0.0]), committed
+
+
 @pytest.mark.parametrize("value", [-0.1, 1.5, True, "high"])
 def test_bad_copy_thresholds_are_refused(value):
     target = make_target("llama")
@@ -195,7 +216,7 @@ def test_sampling_stays_lossless_with_copies_everywhere(monkeypatch):
 def test_calls_with_another_copy_threshold_learn_their_draft_lengths_apart():
     """The copies change what every draft depth accepts, so the adaptive length keeps a controller per threshold (a
     benchmark's rows with and without copies do not teach each other)."""
-    from hf_specdec.generation.adaptive import controller_for
+    from hf_specdec.generation.adaptive import controller_for, draft_length_memory
 
     target = make_target("llama")
     ids, mask = ragged_batch(1)
@@ -205,3 +226,11 @@ def test_calls_with_another_copy_threshold_learn_their_draft_lengths_apart():
     assert default.passes == 0
     target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=8)
     assert default.passes > 0
+    # A tree's chain-shaped sizes take the copies too, so its calls learn apart the same way.
+    tree = dict(tree="eagle2", tree_depth=3, tree_top_k=2, tree_total_tokens=6)
+    tree_drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=3))
+    for threshold in (0.0, None):
+        target.generate(ids, attention_mask=mask, assistant_model=tree_drafter, max_new_tokens=8,
+                        copy_threshold=threshold, **tree)  # fmt: skip
+    memory = draft_length_memory(tree_drafter)._by_target[target]
+    assert {key[-1] for key in memory if key[3] is not None} == {(), (("copy_threshold", 0.0),)}

@@ -206,6 +206,13 @@ class OracleTreeConfig(DrafterConfig):
     corruption: float = 0.0
 
 
+def _chain_proposal(logits_per_depth: list[torch.Tensor], select) -> Proposal:
+    """A test drafter's chain: at each depth the token the loop's selector picks from that depth's logits."""
+    tokens, probs = zip(*(select(logits, depth) for depth, logits in enumerate(logits_per_depth)))
+    draft_probs = torch.stack(probs, dim=1) if probs[0] is not None else None
+    return Proposal(tokens=torch.stack(tokens, dim=1), draft_probs=draft_probs)
+
+
 class OracleTreeDrafter(DrafterPreTrainedModel):
     """A test tree drafter that knows the target's greedy continuation and hides it at rank 1: at depth ``d`` its
     best guess (rank 0) is wrong and its second guess is the right token (unless corrupted, per row). With
@@ -248,6 +255,10 @@ class OracleTreeDrafter(DrafterPreTrainedModel):
 
     def tree_expand(self, state, exp):
         return self._guess(state, exp.depth)[:, None].expand(-1, exp.tokens.shape[1], -1)
+
+    def propose(self, state, num_tokens, select):
+        """Its chain: its best guess at every depth (a tree's chain-shaped sizes are drafted as this chain)."""
+        return _chain_proposal([self._guess(state, depth) for depth in range(num_tokens)], select)
 
 
 ORACLE_TREE = [(0,), (1,), (1, 0), (1, 1), (1, 1, 0), (1, 1, 1)]
@@ -576,6 +587,10 @@ class RootHeadDrafter(DrafterPreTrainedModel):
     def tree_expand(self, state, exp):
         return state["root"][:, None].expand(-1, exp.tokens.shape[1], -1)
 
+    def propose(self, state, num_tokens, select):
+        """Its chain, each token drawn by the loop's selector from the same head (a tree's chain-shaped sizes)."""
+        return _chain_proposal([state["root"]] * num_tokens, select)
+
 
 class ResidualIsPBug(SpeculativeSamplingVerifier):
     """Subtle bug: after a rejection the next sibling is judged against p instead of the residual."""
@@ -671,8 +686,9 @@ class _FixedTreeSize(DraftLengthController):
     "size,verifier,lossless", [(2, None, True), (4, None, True), (2, "residual_is_p_bug_test", False)]
 )
 def test_sampling_is_lossless_with_every_tree_size(monkeypatch, size, verifier, lossless):
-    """The EAGLE-2 tree (depth 2, top-k 3, 6 nodes) drafted at a size the adaptive length chose: 2 nodes are the
-    greedy chain, proposed and verified as a chain; 4 nodes a tree. The joint law of two tokens matches plain
+    """The EAGLE-2 tree (depth 2, top-k 3, 6 nodes) drafted at a size the adaptive length chose: 2 nodes are a
+    chain, drafted by the drafter's chain drafting (sampled from its distribution) and verified as a chain; 4 nodes a
+    tree. The joint law of two tokens matches plain
     sampling, and the control with the residual replaced by p fails."""
     from hf_specdec.verification import register_verifier
 

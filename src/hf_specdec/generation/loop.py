@@ -658,13 +658,13 @@ class DecodingOptions:
 
     def controller_key(self):
         """What the adaptive length keys its memory on, besides the target, batch size, mode and device:
-        ``(tree key, k, variant)``. The variant is ``(("copy_threshold", value),)`` for chains whose n-gram copies'
-        threshold is not the call's default (``()`` otherwise): the copies change what every draft depth accepts, so calls
-        that differ in it learn apart (a benchmark's rows, say)."""
-        if self.policy is not None:
-            return tuple(sorted((k, repr(v)) for k, v in self.tree_kwargs.items())), self.policy.max_nodes, ()
+        ``(tree key, k, variant)``. The variant is ``(("copy_threshold", value),)`` where the n-gram copies'
+        threshold is not the call's default (``()`` otherwise): the copies change what every draft depth of a chain,
+        or of a tree's chain-shaped sizes, accepts, so calls that differ in it learn apart (a benchmark's rows, say)."""
         default = _default_copy_threshold(self.lookup_tokens)
         variant = () if self.copy_threshold == default else (("copy_threshold", self.copy_threshold),)
+        if self.policy is not None:
+            return tuple(sorted((k, repr(v)) for k, v in self.tree_kwargs.items())), self.policy.max_nodes, variant
         return None, self.k_max, variant
 
 
@@ -1014,10 +1014,11 @@ class SpeculativeDecoder:
         return tokens, counts
 
     def _propose(self, step: _Pass) -> None:
-        """The pass's proposal: empty (a plain step), the prompt-lookup copies alone, a tree, or a drafted chain
-        with prompt-lookup copies merged in (every row with a copy when copies go first, else the rows whose copy
-        starts like the chain)."""
-        opts, lengths = self.options, self.committed.lengths
+        """The pass's proposal: empty (a plain step), the prompt-lookup copies alone, a tree (a tree size that is
+        the drafter's greedy chain drafted as a chain, with the n-gram copies), or a drafted chain with prompt-lookup
+        copies merged in (every row with a copy when copies go first, else the rows whose copy starts like the
+        chain)."""
+        opts = self.options
         if step.k <= 0:
             step.proposal = Proposal(tokens=self.seq.new_empty(self.bsz, 0))
             if step.copy is not None:
@@ -1025,17 +1026,29 @@ class SpeculativeDecoder:
                 self.stats.lookup_passes += 1
             self.plain_steps += not step.lookup_only
             return
-        if opts.policy is not None:
-            policy = opts.policy if step.k >= opts.policy.max_nodes else opts.policy.with_budget(step.k)
-            step.proposal = policy.propose(self.drafter, self.state)
-            self.stats.draft_steps += policy.max_depth
-            _check_proposal(step.proposal, self.bsz, step.k, self.drafter)
+        if opts.policy is None:
+            step.proposal = self._merge_copies(step, self._draft_chain(step.k))
             return
-        self.selector.lengths = lengths
-        proposal = self.drafter.propose(self.state, step.k, self.selector)
+        policy = opts.policy if step.k >= opts.policy.max_nodes else opts.policy.with_budget(step.k)
+        if policy.chain_depth is not None:
+            step.proposal = self._draft_chain(policy.chain_depth)
+            return
+        step.proposal = policy.propose(self.drafter, self.state)
+        self.stats.draft_steps += policy.max_depth
+        _check_proposal(step.proposal, self.bsz, step.k, self.drafter)
+
+    def _draft_chain(self, k: int) -> Proposal:
+        """The drafter's chain of ``k`` tokens, through the draft selector (processors, sampling, n-gram copies)."""
+        self.selector.lengths = self.committed.lengths
+        proposal = self.drafter.propose(self.state, k, self.selector)
         self.stats.draft_steps += proposal.num_nodes
-        _check_proposal(proposal, self.bsz, step.k, self.drafter)
+        _check_proposal(proposal, self.bsz, k, self.drafter)
         _trim_linear(proposal)
+        return proposal
+
+    def _merge_copies(self, step: _Pass, proposal: Proposal) -> Proposal:
+        """``proposal`` with the rows' prompt-lookup copies merged in, where they go (see :meth:`_propose`)."""
+        opts, lengths = self.options, self.committed.lengths
         copies_first = step.copy is not None
         if copies_first or (opts.lookup_tokens > step.k and step.limit > step.k):
             copy_len = min(opts.lookup_tokens, step.limit)
@@ -1043,7 +1056,7 @@ class SpeculativeDecoder:
             proposal, copied = merge_lookup(proposal, self.seq, self.starts, lengths, copy_len,
                                             agree=0 if copies_first else None, continuations=copies)  # fmt: skip
             self.stats.lookup_rows += int(copied.sum())
-        step.proposal = proposal
+        return proposal
 
     def _verify_and_commit(self, step: _Pass, logits, hidden, drafted):
         """Verifies the proposal against the target's processed scores, commits what is accepted (cut at EOS and the

@@ -95,6 +95,13 @@ class TreePolicy:
         each pass)."""
         return (self.max_nodes,)
 
+    @property
+    def chain_depth(self) -> int | None:
+        """The length of the chain this policy proposes when its tree is one node per depth (the drafter's greedy
+        chain), else ``None``. The loop drafts such a size as a chain, through the chain drafting (its draft selector
+        and n-gram copies), which proposes the same greedy chain without copies."""
+        return None
+
     def with_budget(self, nodes: int) -> TreePolicy:
         """This policy's tree of ``nodes`` draft nodes, one of :attr:`node_budgets`."""
         if nodes != self.max_nodes:
@@ -253,6 +260,10 @@ class DynamicTree(TreePolicy):
     @property
     def max_depth(self) -> int:
         return self.depth
+
+    @property
+    def chain_depth(self) -> int | None:
+        return self.total_tokens if self.top_k == 1 else None
 
     @property
     def node_budgets(self) -> tuple[int, ...]:
