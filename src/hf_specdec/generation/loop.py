@@ -604,7 +604,7 @@ class DecodingOptions:
         lookup_tokens: longest prompt-lookup copy merged into chains, or verified alone in place of a pass (0: off;
             with trees, alone only).
         copy_threshold: a chain drafts the n-gram copy's token where the drafter's top probability is at most this
-            (0: off; chains only).
+            (0: off; chains, and a tree's chain-shaped sizes).
         forced_tokens: whether chains verify the tokens a grammar processor forces before asking the drafter.
         width_max / depth_max: most draft nodes in a pass / most tokens a pass can accept.
         max_length / max_new: the length limit and the tokens it leaves after the prompt.
@@ -1198,8 +1198,8 @@ def speculative_generate(
             drafts the token that followed the latest earlier occurrence of its last 2-3 tokens (committed and
             drafted) instead, where there is one (:mod:`hf_specdec.generation.ngram`). Default 0.7, or 0 with
             ``lookup_tokens=0`` (no copying from the text unless asked); 0 turns it off, 1 copies wherever there is
-            a match. Also read from ``generation_config.copy_threshold``. Trees draft
-            without it.
+            a match. Also read from ``generation_config.copy_threshold``. A tree's sizes that are the drafter's
+            chain draft with it; its wider sizes without it.
         grammar_forced_tokens: with a grammar processor (``hf_specdec.GrammarLogitsProcessor``, or xgrammar's own
             HF processor, which the loop drives), a pass first verifies the tokens the grammar forces (where its
             mask allows one token alone, then the forced text's jump-forward tokens) without asking the drafter.

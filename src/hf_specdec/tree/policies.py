@@ -98,8 +98,9 @@ class TreePolicy:
     @property
     def chain_depth(self) -> int | None:
         """The length of the chain this policy proposes when its tree is one node per depth (the drafter's greedy
-        chain), else ``None``. The loop drafts such a size as a chain, through the chain drafting (its draft selector
-        and n-gram copies), which proposes the same greedy chain without copies."""
+        chain), else ``None``. The loop drafts such a size through the chain drafting instead (its draft selector:
+        n-gram copies, and a draw from the drafter's distribution when sampling), which greedy decoding without
+        copies makes the same chain."""
         return None
 
     def with_budget(self, nodes: int) -> TreePolicy:
