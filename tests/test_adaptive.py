@@ -442,6 +442,12 @@ def test_a_tree_pass_tells_what_each_smaller_size_commits():
     assert ctrl.tree_tokens(2) > ctrl.tree_tokens(1) > 1.0
     with pytest.raises(ValueError, match="accepted paths"):
         ctrl.update(16, torch.tensor([16]), torch.tensor([4]), one, 2.0)
+    # A chain-shaped size with a prompt-lookup copy merged in commits past its nodes: the size drafted is credited
+    # with what it committed (7 tokens: 5 over size 1's 2), the sizes below with their nodes of the path.
+    merged = DraftLengthController(16, tree=True, budgets=SIZES)
+    merged.update(2, torch.tensor([8]), torch.tensor([7]), one, 1.0, accepted_nodes=torch.arange(6)[None])
+    assert merged.tree_tokens(1) == pytest.approx(1.0 + (1 + _prior_gain(0, 1)) / 2)
+    assert merged.tree_tokens(2) - merged.tree_tokens(1) == pytest.approx((5 + _prior_gain(1, 2)) / 2)
     # A batch of two counts the call's progress for each size: the row behind moves it. Before the pass both rows
     # ended at 10; row 0 accepted nodes 0-3 (5 tokens), row 1 node 5 (2 tokens): only size 8 takes row 1 on.
     batch = DraftLengthController(16, tree=True, budgets=SIZES)

@@ -144,8 +144,8 @@ def test_copies_lift_an_unsure_drafter_on_repetitive_text():
 
 def test_a_trees_chain_shaped_size_drafts_the_copies_too():
     """An EAGLE-2 tree of one node per depth is the drafter's chain: it is drafted as one, so the copies lift it on
-    repetitive text as they lift a chain (without them the fresh drafter is never right), and the output is the
-    same."""
+    repetitive text as they lift a chain (without them the fresh drafter is never right), a prompt-lookup copy that
+    starts like it is merged in, and the output is the same."""
     target = make_target("llama")
     ids = torch.arange(6, 30)[None].repeat(1, 3)
     ref = target.generate(ids, max_new_tokens=30, do_sample=False)
@@ -161,6 +161,10 @@ def test_a_trees_chain_shaped_size_drafts_the_copies_too():
         committed[threshold] = out.accepted_lengths[0]
     assert max(committed[0.0]) == 1
     assert max(committed[1.0]) == 4 and len(committed[1.0]) < len(committed[0.0]), committed
+    merged = target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False, draft_length="fixed",
+                             lookup_tokens=8, copy_threshold=1.0, return_dict_in_generate=True, **tree)  # fmt: skip
+    assert torch.equal(merged.sequences, ref)
+    assert max(merged.accepted_lengths[0]) > 4  # the chain of 3, extended by the copy it starts like
 
 
 @pytest.mark.parametrize("value", [-0.1, 1.5, True, "high"])

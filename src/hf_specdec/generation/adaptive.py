@@ -536,9 +536,10 @@ class DraftLengthController:
     def _record_tree(self, nodes: int, committed: list[int], ends: list[int] | None, paths: list | None) -> None:
         """Records what a tree pass of ``nodes`` nodes tells: given the rows' accepted ``paths`` (node indices of a
         tree listed best first), what each size up to ``nodes`` adds over the size below it (a path's nodes among
-        the first ``n`` are what the tree of ``n`` accepts); without them (a policy of one size), what the tree adds
-        over a plain step. A size's tokens are the call's progress (:func:`batch_progress`; the rows' mean without
-        ``ends``)."""
+        the first ``n`` are what the tree of ``n`` accepts; the drafted size itself commits what it committed, a
+        prompt-lookup copy merged into a chain-shaped size included); without them (a policy of one size), what the
+        tree adds over a plain step. A size's tokens are the call's progress (:func:`batch_progress`; the rows' mean
+        without ``ends``)."""
         if paths is None and len(self.budgets) > 1:
             raise ValueError(
                 "A tree of several sizes needs the rows' accepted paths (accepted_nodes) to record a pass."
@@ -551,7 +552,7 @@ class DraftLengthController:
             self.tree_sq[i] *= self.decay
             if size > nodes:
                 continue
-            done = committed if paths is None else _committed_within(size, committed, paths)
+            done = committed if paths is None or size == nodes else _committed_within(size, committed, paths)
             tokens = statistics.fmean(done) if starts is None else batch_progress(starts, done)
             self.tree_passes[i] += 1.0
             self.tree_sum[i] += tokens - below

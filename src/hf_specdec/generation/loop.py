@@ -1014,10 +1014,10 @@ class SpeculativeDecoder:
         return tokens, counts
 
     def _propose(self, step: _Pass) -> None:
-        """The pass's proposal: empty (a plain step), the prompt-lookup copies alone, a tree (a tree size that is
-        the drafter's greedy chain drafted as a chain, with the n-gram copies), or a drafted chain with prompt-lookup
-        copies merged in (every row with a copy when copies go first, else the rows whose copy starts like the
-        chain)."""
+        """The pass's proposal: empty (a plain step), the prompt-lookup copies alone, a tree, or a drafted chain
+        with prompt-lookup copies merged in (every row with a copy when copies go first, else the rows whose copy
+        starts like the chain). A tree's size that is the drafter's greedy chain is drafted as a chain, copies and
+        all."""
         opts = self.options
         if step.k <= 0:
             step.proposal = Proposal(tokens=self.seq.new_empty(self.bsz, 0))
@@ -1031,7 +1031,7 @@ class SpeculativeDecoder:
             return
         policy = opts.policy if step.k >= opts.policy.max_nodes else opts.policy.with_budget(step.k)
         if policy.chain_depth is not None:
-            step.proposal = self._draft_chain(policy.chain_depth)
+            step.proposal = self._merge_copies(step, self._draft_chain(policy.chain_depth))
             return
         step.proposal = policy.propose(self.drafter, self.state)
         self.stats.draft_steps += policy.max_depth
