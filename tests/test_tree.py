@@ -688,8 +688,8 @@ class _FixedTreeSize(DraftLengthController):
 def test_sampling_is_lossless_with_every_tree_size(monkeypatch, size, verifier, lossless):
     """The EAGLE-2 tree (depth 2, top-k 3, 6 nodes) drafted at a size the adaptive length chose: 2 nodes are a
     chain, drafted by the drafter's chain drafting (sampled from its distribution) and verified as a chain; 4 nodes a
-    tree. The joint law of two tokens matches plain
-    sampling, and the control with the residual replaced by p fails."""
+    tree. The joint law of two tokens matches plain sampling, and the control with the residual replaced by p
+    fails."""
     from hf_specdec.verification import register_verifier
 
     register_verifier(ResidualIsPBug)
