@@ -192,3 +192,54 @@ def test_each_results_table_row_is_backed_by_the_files_it_links():
         found = [("speedup", m) for m in SPEEDUP_RE.findall(result)] + [("tau", m) for m in TAU_RE.findall(result)]
         orphans += [f"{what[:60]}: {kind} {figure}" for kind, figure in found if not is_backed(kind, figure, values)]
     assert not orphans, "results-table figures that the row's own files do not hold:\n" + "\n".join(orphans)
+
+
+def _files_a_text_names(text: str) -> set[Path]:
+    """The results files a Markdown text names: backticked names and links, with ``a.{json,md}`` expanded, a
+    ``<family>`` placeholder read as any name, and a bare suffix (``-before-tree-sizes``) as every file with it."""
+    files: set[Path] = set()
+    for quoted, linked in re.findall(r"`([^`\s]+)`|\]\(([^)#\s]+)\)", text):
+        for name in _expand_braces(quoted or linked):
+            if "/" in name and "results/" not in name:  # a card, a script: not a results file
+                continue
+            base = re.sub(r"<[^>]*>", "*", name.split("/")[-1])
+            if not base or base in (".", ".."):
+                continue
+            files.update(RESULTS.rglob(base))
+            if base.startswith("-") or base.endswith("-"):
+                files.update(RESULTS.rglob("*" + base.rsplit(".", 1)[0] + "*"))
+    return files
+
+
+def section_orphans(text: str) -> list[str]:
+    """Figures of each ``##``-to-``#####`` section of a Markdown text that the results files the section names do
+    not hold (a section naming no file is checked against every file, as the whole text is)."""
+    orphans = []
+    for section in re.split(r"\n(?=#{2,5} )", text):
+        found = figures(section)
+        files = _files_a_text_names(section)
+        if not found or not files:
+            continue
+        values = backed_values(sorted(files))
+        title = section.splitlines()[0][:60]
+        orphans += sorted({f"{title}: {kind} {fig}" for kind, fig in found if not is_backed(kind, fig, values)})
+    return orphans
+
+
+def test_a_sections_figure_must_come_from_a_file_the_section_names():
+    named = "## A\n\nThe chain: 1.54× [1.46–1.62], τ 2.16 (`smollm2-bench.md`).\n"
+    assert section_orphans(named) == []
+    elsewhere = "## B\n\nThe chain: 1.54×, τ 2.16 (`smollm2-pass-cost.md`).\n"  # the figures are in another file
+    assert section_orphans(elsewhere) == ["## B: speedup 1.54", "## B: tau 2.16"]
+    family = (
+        "## C\n\n| family | held-out simulated τ |\n|:--|--:|\n| Hydra | 1.57 |\n\n"
+        "Records: `smollm2-<family>-distill-training_record.json`.\n"
+    )
+    assert section_orphans(family) == []
+
+
+def test_every_readme_sections_figures_come_from_the_files_it_names():
+    """Stricter than any results file holding the value: a figure in a README section must be in a results file
+    that section names, so a figure left behind when its run was replaced fails even if another file matches it."""
+    orphans = section_orphans((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert not orphans, "README figures that no results file named in their section holds:\n" + "\n".join(orphans)
