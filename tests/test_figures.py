@@ -211,19 +211,21 @@ def _files_a_text_names(text: str) -> set[Path]:
     return files
 
 
+def orphans_among_named(text: str, title: str) -> list[str]:
+    """Figures of ``text`` that the results files it names do not hold (none when it names no results file: then
+    only the check against every file applies)."""
+    found = figures(text)
+    files = _files_a_text_names(text)
+    if not found or not files:
+        return []
+    values = backed_values(sorted(files))
+    return sorted({f"{title}: {kind} {fig}" for kind, fig in found if not is_backed(kind, fig, values)})
+
+
 def section_orphans(text: str) -> list[str]:
-    """Figures of each ``##``-to-``#####`` section of a Markdown text that the results files the section names do
-    not hold (a section naming no file is checked against every file, as the whole text is)."""
-    orphans = []
-    for section in re.split(r"\n(?=#{2,5} )", text):
-        found = figures(section)
-        files = _files_a_text_names(section)
-        if not found or not files:
-            continue
-        values = backed_values(sorted(files))
-        title = section.splitlines()[0][:60]
-        orphans += sorted({f"{title}: {kind} {fig}" for kind, fig in found if not is_backed(kind, fig, values)})
-    return orphans
+    """:func:`orphans_among_named` for each ``##``-to-``#####`` section of a Markdown text."""
+    sections = re.split(r"\n(?=#{2,5} )", text)
+    return [o for section in sections for o in orphans_among_named(section, section.splitlines()[0][:60])]
 
 
 def test_a_sections_figure_must_come_from_a_file_the_section_names():
@@ -243,3 +245,33 @@ def test_every_readme_sections_figures_come_from_the_files_it_names():
     that section names, so a figure left behind when its run was replaced fails even if another file matches it."""
     orphans = section_orphans((ROOT / "README.md").read_text(encoding="utf-8"))
     assert not orphans, "README figures that no results file named in their section holds:\n" + "\n".join(orphans)
+
+
+@pytest.mark.parametrize("card", sorted((ROOT / "model_cards").glob("*.md")), ids=lambda p: p.name)
+def test_a_cards_figures_come_from_the_bench_reports_it_names(card):
+    """A card rendered from bench reports names them (``reports: `smollm2-bench.json`, ...``); its speedups and τ
+    must be in those files, not merely in some results file."""
+    orphans = orphans_among_named(card.read_text(encoding="utf-8"), card.name)
+    assert not orphans, "card figures that the reports it names do not hold:\n" + "\n".join(orphans)
+
+
+def test_the_shipped_drafters_card_is_what_its_reports_render(tmp_path):
+    """``model_cards/smollm2-eagle3.md`` is exactly what the README's ``hf-specdec push ... --card-only`` writes
+    from the shipped drafter and the reports the card names: a results file rerun, or a template changed, without
+    the card regenerated fails here."""
+    from hf_specdec.cards import drafter_card
+
+    committed = (ROOT / "model_cards" / "smollm2-eagle3.md").read_text(encoding="utf-8")
+    reports = re.search(r"\(reports: ([^)]*)\)", committed)
+    assert reports, "the card does not name the bench reports its results come from"
+    bench = [str(RESULTS / name) for name in re.findall(r"`([^`]+)`", reports.group(1))]
+    card = drafter_card(
+        str(ROOT / "src" / "hf_specdec" / "assets" / "smollm2-drafter"),
+        repo_id="hf-specdec/smollm2-eagle3",
+        bench=bench,
+        base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+    )
+    card.save(tmp_path / "card.md")
+    assert (tmp_path / "card.md").read_text(encoding="utf-8") == committed, (
+        "model_cards/smollm2-eagle3.md is stale: rerun the README's hf-specdec push ... --card-only command"
+    )

@@ -254,6 +254,20 @@ def test_a_card_from_an_fp32_and_a_bf16_bench_shows_both_with_their_dtype(tmp_pa
         "(the target's linear layers packed (7 layers), the drafters' int8, packed (3 layers) / the target's linear "
         "layers stock, the drafters' int8, packed (3 layers))" in measured
     )
+    assert "reports:" not in measured  # reports passed as dicts: no file to name
+
+
+def test_a_card_names_the_bench_reports_its_results_come_from(tmp_path):
+    target = make_target("llama")
+    folder = tmp_path / "drafter"
+    AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config)).save_pretrained(folder)
+    paths = []
+    for name in ("run-fp32.json", "run-t07.json"):
+        paths.append(tmp_path / name)
+        paths[-1].write_text(json.dumps(_bench_report()), encoding="utf-8")
+    card = str(drafter_card(str(folder), bench=[str(p) for p in paths], base_model="org/tiny-llama"))
+    measured = " ".join(card.split("Measured with")[1].split("\n\n")[0].split())
+    assert "(reports: `run-fp32.json`, `run-t07.json`)" in measured
 
 
 def test_a_card_from_benches_on_two_machines_says_which_row_ran_where():

@@ -136,7 +136,9 @@ def drafter_card(
         raise ValueError("The drafter's config does not name its target: pass base_model= (the target's Hub id).")
     spec = get_drafter_spec(cfg.model_type)  # the family's name, display name and card wording
     record = _training_record(folder, base_model)
-    reports = [_load_bench(b) for b in (bench if isinstance(bench, (list, tuple)) else [bench]) if b is not None]
+    benches = [b for b in (bench if isinstance(bench, (list, tuple)) else [bench]) if b is not None]
+    reports = [_load_bench(b) for b in benches]
+    sources = [os.path.basename(os.fspath(b)) for b in benches if isinstance(b, (str, os.PathLike))]
     folder = os.path.basename(str(getattr(drafter, "name_or_path", "") or "").rstrip("/"))
     prefix = f"{cfg.model_type.removesuffix('_drafter')}:{folder}" if folder else None
     results, approximate = ("", False) if not reports else _results_table(reports, prefix)
@@ -175,6 +177,7 @@ def drafter_card(
         results=results,
         hardware=hardware,
         kernels=kernels,
+        sources=", ".join(f"`{name}`" for name in sources),
         limitations=limitations or [],
     )
 
