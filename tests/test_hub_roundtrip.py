@@ -156,28 +156,28 @@ def test_local_hub_refuses_what_the_hub_refuses(hub):
 
 
 def test_a_card_from_a_multi_drafter_bench_shows_only_its_own_rows():
-    from hf_specdec.cards import _results_table
+    from hf_specdec.cards import _own_rows, _results_table
 
     def row(method, speedup):
         return {"method": method, "kind": "drafter", "category": "all", "temperature": 0.0, "batch_size": 1,
                 "mean_accepted_length": 1.5, "speedup": speedup, "identical": True}  # fmt: skip
 
     report = {"records": [row("medusa:medusa K=5", 1.04), row("hydra:hydra K=4", 1.07), row("hydra:hydra2 K=4", 1.5)]}
-    table, _ = _results_table([report], "hydra:hydra")
+    table, _ = _results_table(_own_rows([report], "hydra:hydra"))
     assert "hydra:hydra K=4" in table and "medusa" not in table and "hydra2" not in table
-    everything, _ = _results_table([report], "eagle3:other")  # no row of its own: the whole comparison
+    everything, _ = _results_table(_own_rows([report], "eagle3:other"))  # no row of its own: the whole comparison
     assert everything.count("\n") == 4
 
 
 def test_a_card_row_shows_the_draft_cost_the_interval_and_the_verdict():
     """What a reader needs to see why a drafter pays or not: τ, the draft cost c, the speedup with its interval and
     the verdict; a run without repeats shows the bare speedup."""
-    from hf_specdec.cards import _results_table
+    from hf_specdec.cards import _own_rows, _results_table
 
     base = {"method": "mtp:mtp K=5", "kind": "drafter", "category": "all", "temperature": 0.0, "batch_size": 1,
             "mean_accepted_length": 1.31, "speedup": 0.96, "identical": True}  # fmt: skip
     repeated = dict(base, draft_cost_ratio=0.123, speedup_ci95=[0.91, 1.02], verdict="within noise")
-    table, _ = _results_table([{"records": [repeated]}, {"records": [base]}])
+    table, _ = _results_table(_own_rows([{"records": [repeated]}, {"records": [base]}]))
     rows = table.splitlines()[2:]
     assert "| 1.31 | 0.12 | 0.96× [0.91–1.02] | within noise | yes |" in rows[0]
     assert "| 1.31 | — | 0.96× | — | yes |" in rows[1]
@@ -270,18 +270,51 @@ def test_a_card_names_the_bench_reports_its_results_come_from(tmp_path):
     assert "(reports: `run-fp32.json`, `run-t07.json`)" in measured
 
 
+def test_a_card_whose_drafter_does_not_pay_says_why(tmp_path):
+    """No row faster than plain decoding: the card's limitations give the drafter's τ against what its pass costs
+    (from the row that drafted most) and how often the adaptive length fell back to plain steps."""
+    target = make_target("llama")
+    folder = tmp_path / "drafter"
+    AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config)).save_pretrained(folder)
+    row = {"kind": "drafter", "category": "all", "temperature": 0.0, "batch_size": 1, "identical": True}
+    adaptive = dict(
+        row,
+        method="eagle3:d K=5",
+        mean_accepted_length=1.04,
+        speedup=0.97,
+        verdict="within noise",
+        predicted_speedup=0.95,
+        verify_cost_ratio=1.0,
+        draft_cost_ratio=0.09,
+        plain_step_share=0.96,
+    )
+    fixed = dict(row, method="eagle3:d K=5 fixed", mean_accepted_length=1.4, speedup=0.87, verdict="too few repeats")
+    fixed.update(predicted_speedup=0.96, verify_cost_ratio=1.35, draft_cost_ratio=0.03, plain_step_share=0.0)
+    card = str(drafter_card(str(folder), bench={"records": [adaptive, fixed]}, base_model="org/tiny-llama"))
+    limits = " ".join(card.split("## Limitations")[1].split())
+    assert (
+        "It does not pay where measured: drafting as in `eagle3:d K=5 fixed` it commits τ 1.40 tokens per target "
+        "pass, and a pass costs 1.46 plain steps (the target's pass over the draft, 1.35, and drafting at c 0.03 per "
+        "draft token), so τ and pass cost predict 0.96× of plain decoding; the adaptive length runs 96% of its "
+        "passes as plain steps." in limits
+    )
+    faster = dict(adaptive, verdict="faster", speedup=1.2)
+    card = str(drafter_card(str(folder), bench={"records": [faster, fixed]}, base_model="org/tiny-llama"))
+    assert "does not pay" not in card
+
+
 def test_a_card_from_benches_on_two_machines_says_which_row_ran_where():
-    from hf_specdec.cards import _results_table
+    from hf_specdec.cards import _own_rows, _results_table
 
     row = {"method": "eagle3:d K=5", "kind": "drafter", "category": "all", "temperature": 0.0, "batch_size": 1,
            "mean_accepted_length": 1.5, "speedup": 1.2, "identical": True}  # fmt: skip
     intel = {"hardware": {"device_name": "Intel Xeon", "device": "cpu", "torch": "2.13.0"}, "records": [row]}
     amd = {"hardware": {"device_name": "AMD EPYC", "device": "cpu", "torch": "2.13.0"}, "records": [row]}
-    table, _ = _results_table([intel, amd])
+    table, _ = _results_table(_own_rows([intel, amd]))
     header, _, first, second = table.splitlines()
     assert header.endswith("| hardware |")
     assert first.endswith("| Intel Xeon (cpu, torch 2.13.0) |") and second.endswith("| AMD EPYC (cpu, torch 2.13.0) |")
-    one, _ = _results_table([intel, intel])
+    one, _ = _results_table(_own_rows([intel, intel]))
     assert "hardware" not in one and "Intel" not in one  # one machine: the card's sentence names it
 
 

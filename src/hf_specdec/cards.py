@@ -29,10 +29,10 @@ def _load_bench(bench: str | dict | None) -> dict | None:
     return report
 
 
-def _results_table(reports: list[dict], own_prefix: str | None = None) -> tuple[str, bool]:
-    """The card's results: the bench reports' drafter rows, only this drafter's (method names start with
-    ``own_prefix``, ``"<family>:<folder>"``) when a report compares several drafters, with each report's target
-    dtype (an fp32 and a bf16 run side by side) and, when the reports come from different machines, each row's."""
+def _own_rows(reports: list[dict], own_prefix: str | None = None) -> list[dict]:
+    """The bench reports' drafter rows over all prompts, only this drafter's (method names start with
+    ``own_prefix``, ``"<family>:<folder>"``) when a report compares several drafters, each with its report's target
+    dtype and machine."""
     rows = []
     for report in reports:
         dtype = (report.get("config") or {}).get("target_dtype", "—")
@@ -47,6 +47,12 @@ def _results_table(reports: list[dict], own_prefix: str | None = None) -> tuple[
         rows += mine
     if not rows:
         raise ValueError("The bench report has no measured drafter records to put in the card.")
+    return rows
+
+
+def _results_table(rows: list[dict]) -> tuple[str, bool]:
+    """The card's results table (with each row's machine when the rows come from different ones), and whether an
+    approximate verifier is among them."""
     approximate = any(r.get("approximate") for r in rows)
     several = len({r["machine"] for r in rows}) > 1
     lines = [
@@ -63,6 +69,28 @@ def _results_table(reports: list[dict], own_prefix: str | None = None) -> tuple[
             + (f" {r['machine']} |" if several else "")
         )
     return "\n".join(lines), approximate
+
+
+def _why_it_does_not_pay(rows: list[dict]) -> str | None:
+    """Where no row of the drafter's is measured faster than plain decoding, why, from the row that drafted most:
+    the tokens a pass commits against what the pass costs in plain steps (target pass and drafting)."""
+    if any(r.get("verdict") == "faster" for r in rows):
+        return None
+    measured = [r for r in rows if r.get("predicted_speedup") and r.get("mean_accepted_length")]
+    if not measured:
+        return None
+    r = min(measured, key=lambda row: row.get("plain_step_share") or 0.0)
+    tau, predicted = r["mean_accepted_length"], r["predicted_speedup"]
+    line = (
+        f"It does not pay where measured: drafting as in `{r['method']}` it commits τ {tau:.2f} tokens per target "
+        f"pass, and a pass costs {tau / predicted:.2f} plain steps (the target's pass over the draft, "
+        f"{r.get('verify_cost_ratio') or float('nan'):.2f}, and drafting at c {r.get('draft_cost_ratio') or 0:.2f} "
+        f"per draft token), so τ and pass cost predict {predicted:.2f}× of plain decoding"
+    )
+    adaptive = [row for row in rows if row.get("plain_step_share") is not None and "fixed" not in row["method"]]
+    if adaptive:
+        line += f"; the adaptive length runs {adaptive[0]['plain_step_share']:.0%} of its passes as plain steps"
+    return line + "."
 
 
 def _machine(report: dict) -> str:
@@ -141,7 +169,9 @@ def drafter_card(
     sources = [os.path.basename(os.fspath(b)) for b in benches if isinstance(b, (str, os.PathLike))]
     folder = os.path.basename(str(getattr(drafter, "name_or_path", "") or "").rstrip("/"))
     prefix = f"{cfg.model_type.removesuffix('_drafter')}:{folder}" if folder else None
-    results, approximate = ("", False) if not reports else _results_table(reports, prefix)
+    rows = _own_rows(reports, prefix) if reports else []
+    results, approximate = _results_table(rows) if rows else ("", False)
+    why = _why_it_does_not_pay(rows)
     facts = _facts(drafter, spec, target, layout)
     training = _training_rows(record)
     guarantee = _APPROXIMATE if approximate else _LOSSLESS
@@ -178,7 +208,7 @@ def drafter_card(
         hardware=hardware,
         kernels=kernels,
         sources=", ".join(f"`{name}`" for name in sources),
-        limitations=limitations or [],
+        limitations=([why] if why else []) + (limitations or []),
     )
 
 
