@@ -11,7 +11,8 @@
 #   2. what each drafter can do: the fixed default K, no copies, one repeat (τ, α and the draft cost c of each
 #      family's own drafting): model_cards/results/smollm2-families-distill-fixed.{json,md,png}.
 # About 40 minutes on 2 cores for eleven drafters. Families without a finished training run are skipped.
-# FAMILIES=... STEM=... measures some of them (next to the shipped EAGLE-3) into model_cards/results/$STEM*.
+# FAMILIES=... STEM=... measures some of them (next to the shipped EAGLE-3) into model_cards/results/$STEM*;
+# MAX_PROMPTS=... NEW_TOKENS=... THREADS=... change the prompts per category, new tokens and torch threads of both runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/smollm2-families}
@@ -22,7 +23,8 @@ drafters=(src/hf_specdec/assets/smollm2-drafter)
 for family in $FAMILIES; do  # the families whose training finished
     if [ -f "$RUN/$family/training_record.json" ]; then drafters+=("$RUN/$family"); else echo "$family: not trained, skipped"; fi
 done
-common=(--target smollm2 --prompts spec-bench --max-prompts 1 --max-new-tokens 64 --threads 2 --no-peers
+common=(--target smollm2 --prompts spec-bench --max-prompts "${MAX_PROMPTS:-1}" --max-new-tokens "${NEW_TOKENS:-64}"
+        --threads "${THREADS:-2}" --no-peers
         --drafter "${drafters[@]}" --out "$OUT")
 hf-specdec bench "${common[@]}" --repeats 3 --stem "$STEM"
 hf-specdec bench "${common[@]}" --repeats 1 --warmup 0 --draft-length fixed --lookup-tokens 0 \
