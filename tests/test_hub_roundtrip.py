@@ -298,6 +298,11 @@ def test_a_card_whose_drafter_does_not_pay_says_why(tmp_path):
         "draft token), so τ and pass cost predict 0.96× of plain decoding; the adaptive length runs 96% of its "
         "passes as plain steps." in limits
     )
+    from hf_specdec.cards import _why_it_does_not_pay
+
+    bare = {k: v for k, v in fixed.items() if k not in ("verify_cost_ratio", "draft_cost_ratio")}
+    line = _why_it_does_not_pay([dict(bare, machine="m", dtype="float32")])
+    assert "a pass costs 1.46 plain steps, so τ and pass cost predict 0.96×" in line and "nan" not in line
     faster = dict(adaptive, verdict="faster", speedup=1.2)
     card = str(drafter_card(str(folder), bench={"records": [faster, fixed]}, base_model="org/tiny-llama"))
     assert "does not pay" not in card
