@@ -82,10 +82,12 @@ def _why_it_does_not_pay(rows: list[dict]) -> str | None:
     r = min(measured, key=lambda row: row.get("plain_step_share") or 0.0)
     tau, predicted = r["mean_accepted_length"], r["predicted_speedup"]
     verify, cost = r.get("verify_cost_ratio"), r.get("draft_cost_ratio")
-    parts = f" (the target's pass over the draft, {verify:.2f}, and drafting at c {cost:.2f} per draft token)"
+    parts = ""
+    if verify and cost:
+        parts = f" (the target's pass over the draft, {verify:.2f}, and drafting at c {cost:.2f} per draft token)"
     line = (
         f"It does not pay where measured: drafting as in `{r['method']}` it commits τ {tau:.2f} tokens per target "
-        f"pass, and a pass costs {tau / predicted:.2f} plain steps{parts if verify and cost else ''}, so τ and pass "
+        f"pass, and a pass costs {tau / predicted:.2f} plain steps{parts}, so τ and pass "
         f"cost predict {predicted:.2f}× of plain decoding"
     )
     adaptive = [row for row in rows if row.get("plain_step_share") is not None and "fixed" not in row["method"]]
