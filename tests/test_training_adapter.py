@@ -259,3 +259,34 @@ def test_the_trained_adapter_is_declared_and_required_at_generation(tmp_path, da
     # A drafter without a declared adapter has nothing to adapt.
     with pytest.raises(ValueError, match="declares no target adapter"):
         toy(fresh_target()).adapt_target(fresh_target())
+
+
+def test_adapt_target_merges_the_adapter_and_the_merge_is_still_checked(tmp_path, data):
+    """By default the adapter is merged into the target's weights (a plain model again, as fast as the target and
+    packable like it); the merge computes what the peft model computes, it is recognised by its fingerprint (also
+    after save and load), and a merged target with another adapter, or with a second adapter on top, is refused."""
+    DrafterTrainer(toy(fresh_target()), fresh_target(), run_args(tmp_path, max_steps=3), data).train()
+    out = tmp_path / "out"
+    loaded = ToyMedusa.from_pretrained(out)
+    unmerged = loaded.adapt_target(fresh_target(), merge=False)
+    merged = loaded.adapt_target(fresh_target())
+    assert isinstance(unmerged, PeftModel) and not isinstance(merged, PeftModel)
+    assert not any("lora" in name for name, _ in merged.named_modules())
+    ids = torch.randint(0, merged.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, unmerged(ids).logits, atol=1e-5)
+        assert (merged(ids).logits - fresh_target()(ids).logits).abs().max() > 1e-4  # the adapter does something
+    loaded.bind_target(merged)
+    for model in (merged, unmerged):  # greedy speculative decoding on either is that model's own greedy decoding
+        kw = dict(max_new_tokens=8, do_sample=False)
+        assert torch.equal(model.generate(ids, assistant_model=ToyMedusa.from_pretrained(out), **kw),
+                           model.generate(ids, **kw))  # fmt: skip
+    merged.save_pretrained(tmp_path / "merged")
+    reloaded = type(merged).from_pretrained(tmp_path / "merged")
+    ToyMedusa.from_pretrained(out).bind_target(reloaded)  # the fingerprint travels in config.json
+    reloaded.config.hf_specdec_merged_adapter = "0" * 64  # another adapter's merge
+    with pytest.raises(ValueError, match="not the one"):
+        ToyMedusa.from_pretrained(out).bind_target(reloaded)
+    twice = PeftModel.from_pretrained(type(merged).from_pretrained(tmp_path / "merged"), str(out / "target_adapter"))
+    with pytest.raises(ValueError, match="not the one"):  # the adapter merged in and applied once more
+        ToyMedusa.from_pretrained(out).bind_target(twice)

@@ -24,6 +24,9 @@ _BINDING_LOCK = threading.RLock()
 # This machine's measurements for a drafter that reads them (``hf-specdec profile --drafter``), kept next to its
 # weights but out of config.json: timings belong to a machine, not to the model, and are never published.
 PASS_TIMES_FILE = "pass_times.json"
+# Set by adapt_target in the config of a target whose weights hold a drafter's merged adapter: that adapter's
+# fingerprint (saved with the target's config.json, so a merged target saved and loaded again is still known).
+MERGED_ADAPTER_ATTR = "hf_specdec_merged_adapter"
 
 __all__ = [
     "DrafterPreTrainedModel",
@@ -148,6 +151,13 @@ def adapter_fingerprint(model: nn.Module) -> str:
         digest.update(str(tuple(tensor.shape)).encode())
         digest.update(tensor.numpy().tobytes())
     return digest.hexdigest()
+
+
+def target_adapters(target: nn.Module) -> list[str]:
+    """The fingerprints of the adapters a target carries: one merged into its weights by
+    :meth:`DrafterPreTrainedModel.adapt_target`, then its active peft adapter's; empty for a plain target."""
+    merged = getattr(getattr(target, "config", None), MERGED_ADAPTER_ATTR, None)
+    return ([merged] if merged else []) + ([adapter_fingerprint(target)] if hasattr(target, "peft_config") else [])
 
 
 def target_lm_head_device(target: nn.Module) -> torch.device:
@@ -469,28 +479,43 @@ class DrafterPreTrainedModel(PreTrainedModel):
 
         A drafter trained jointly with a target adapter drafts for the *adapted* target; on the plain target it
         would still be lossless but draft for the wrong model, and on another adapter likewise. Load the right one
-        with :meth:`adapt_target`.
+        with :meth:`adapt_target` (merged into the target's weights, or as a peft adapter).
         """
         required = self.config.target_adapter
         if not required:
             return
-        where = self.name_or_path or "the drafter's folder"
-        if not hasattr(target, "peft_config"):
+        found = target_adapters(target)
+        if not found:
+            where = os.path.join(str(self.name_or_path or "the drafter's folder"), required.get("subfolder", ""))
             raise ValueError(
                 f"{type(self).__name__} was trained together with a target adapter and needs the adapted target; "
                 f"got a plain {type(target).__name__}. Load it with `target = drafter.adapt_target(target)` (the "
-                f"adapter is in {os.path.join(str(where), required.get('subfolder', ''))})."
+                f"adapter is in {where})."
             )
-        found = adapter_fingerprint(target)
-        if found != required.get("fingerprint"):
+        if found != [required.get("fingerprint")]:
             raise ValueError(
-                f"The target's adapter (fingerprint {found[:12]}) is not the one {type(self).__name__} was trained "
-                f"with ({str(required.get('fingerprint'))[:12]}). Load the drafter's own adapter with "
-                "`target = drafter.adapt_target(base_target)`."
+                f"The target's adapter (fingerprint {', '.join(f[:12] for f in found)}) is not the one "
+                f"{type(self).__name__} was trained with ({str(required.get('fingerprint'))[:12]}). Load the "
+                "drafter's own adapter with `target = drafter.adapt_target(base_target)`."
             )
 
-    def adapt_target(self, target: nn.Module) -> nn.Module:
-        """The target with this drafter's trained adapter loaded (``peft.PeftModel``), ready for ``generate``."""
+    def adapt_target(self, target: nn.Module, merge: bool = True) -> nn.Module:
+        """The target with this drafter's trained adapter, ready for ``generate``: merged into its weights (default:
+        a plain transformers model again, which runs as fast as the target and takes every CPU kernel the target
+        takes; peft's ``merge_and_unload``), or with ``merge=False`` as a ``peft.PeftModel`` (the adapter's layers
+        computed beside the target's, so it can be switched off). Either way ``target`` itself is changed in
+        place, as peft changes the model it wraps; a merged target's config records the adapter's fingerprint, so
+        it is recognised after ``save_pretrained`` and ``from_pretrained`` too."""
+        adapted = self._load_target_adapter(target).eval()
+        self.check_target_adapter(adapted)
+        if not merge:
+            return adapted
+        merged = adapted.merge_and_unload()
+        setattr(merged.config, MERGED_ADAPTER_ATTR, self.config.target_adapter["fingerprint"])
+        return merged
+
+    def _load_target_adapter(self, target: nn.Module) -> nn.Module:
+        """``peft.PeftModel`` of ``target`` with the adapter saved next to this drafter (its folder or Hub repo)."""
         required = self.config.target_adapter
         if not required:
             raise ValueError(f"{type(self).__name__} declares no target adapter; use the target as it is.")
@@ -499,17 +524,13 @@ class DrafterPreTrainedModel(PreTrainedModel):
         source = str(self.name_or_path or "")
         folder = os.path.join(source, required["subfolder"])
         if os.path.isdir(folder):
-            adapted = PeftModel.from_pretrained(target, folder)
-        elif source and not os.path.isdir(source):  # a Hub id: the adapter is a subfolder of that repository
-            adapted = PeftModel.from_pretrained(target, source, subfolder=required["subfolder"])
-        else:
-            raise ValueError(
-                f"The target adapter of this drafter is expected in {folder}, which does not exist. Load the drafter "
-                "from the folder `hf-specdec train` wrote (it holds the adapter next to the drafter's weights)."
-            )
-        adapted = adapted.eval()
-        self.check_target_adapter(adapted)
-        return adapted
+            return PeftModel.from_pretrained(target, folder)
+        if source and not os.path.isdir(source):  # a Hub id: the adapter is a subfolder of that repository
+            return PeftModel.from_pretrained(target, source, subfolder=required["subfolder"])
+        raise ValueError(
+            f"The target adapter of this drafter is expected in {folder}, which does not exist. Load the drafter "
+            "from the folder `hf-specdec train` wrote (it holds the adapter next to the drafter's weights)."
+        )
 
     def resolve_target_facts(self, target: nn.Module) -> None:
         """Fills in target facts the checkpoint did not record, from ``target`` (called by :meth:`bind_target`).

@@ -68,6 +68,7 @@ def test_adapter_round_trip_and_generation_with_the_adapted_target(tmp_path):
         plain_method,
         run_benchmark,
     )
+    from hf_specdec.cpu_kernels import linear_kernels_for
 
     bench_target = make_target("llama", seed=2, sharpen=20.0)
     with pytest.raises(ValueError, match="adapt_target"):  # the unadapted copy is refused as the rows' target
@@ -94,6 +95,9 @@ def test_adapter_round_trip_and_generation_with_the_adapted_target(tmp_path):
     assert rec[reference]["mean_accepted_length"] == 1.0 and rec[reference]["identical"] is True
     assert rec["heads"]["target_forwards"] > 0 and rec["heads"]["mean_accepted_length"] >= 1.0
     assert {m["name"]: m.get("reference") for m in report["config"]["methods"]}["heads"] == reference
+    # The adapted target (its adapter merged: a plain model) takes the packed kernels as the benchmark's target does.
+    with linear_kernels_for(make_target("llama", seed=2, sharpen=20.0), "packed") as one:
+        assert report["config"]["linear_kernels"] == (f"packed ({2 * len(one)} layers)" if len(one) else "stock")
     with pytest.raises(ValueError, match="same model"):  # a row on the adapted target checked against the plain one
         run_benchmark(
             bench_target,
