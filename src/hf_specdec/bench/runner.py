@@ -489,13 +489,12 @@ def run_benchmark(
             under it: a fresh :class:`~hf_specdec.GrammarLogitsProcessor` per ``generate`` call, through xgrammar).
         schema_options: xgrammar's options for compiling them (e.g. ``{"any_whitespace": False, "indent": 2}``: a
             fixed layout, whose newlines, indentation and keys the grammar then forces); recorded in the config.
-        linear_kernels: ``"packed"`` (default): for the run, the target's fp32 CPU linear layers compute passes over
-            1–64 rows with pre-packed oneDNN weights, for every method alike (:mod:`hf_specdec.cpu_kernels`: plain
-            decoding's one-token steps too), and so do those of the methods' own targets (an adapted target);
-            ``"stock"``: the targets as they are. The config records which, and how
-            many layers. Every method runs with :func:`~hf_specdec.cpu_kernels.grouped_query_sdpa` (what the
-            speculative loop does itself), so a padded batch's plain baseline attends as the loop does; the config's
-            ``attention`` says whether it applied.
+        linear_kernels: ``"packed"`` (default): for the run, the fp32 CPU linear layers of the target (and of any
+            method's own target) compute passes over 1–64 rows with pre-packed oneDNN weights, for every method alike
+            (:mod:`hf_specdec.cpu_kernels`: plain decoding's one-token steps too); ``"stock"``: the targets as they
+            are. The config records which, and how many layers. Every method runs with
+            :func:`~hf_specdec.cpu_kernels.grouped_query_sdpa` (what the speculative loop does itself), so a padded
+            batch's plain baseline attends as the loop does; the config's ``attention`` says whether it applied.
         draft_kernels: ``"bf16"`` or ``"int8"``: for the run, every drafter's and assistant model's fp32 CPU
             linear layers compute with those weights, where the CPU can
             (:func:`~hf_specdec.cpu_kernels.pack_draft_weights`: a draft step costs less, the output is unchanged);
