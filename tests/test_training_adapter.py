@@ -277,8 +277,8 @@ def test_adapt_target_merges_the_adapter_and_the_merge_is_still_checked(tmp_path
         assert torch.allclose(merged(ids).logits, unmerged(ids).logits, atol=1e-5)
         assert (merged(ids).logits - fresh_target()(ids).logits).abs().max() > 1e-4  # the adapter does something
     loaded.bind_target(merged)
+    kw = dict(max_new_tokens=8, do_sample=False)
     for model in (merged, unmerged):  # greedy speculative decoding on either is that model's own greedy decoding
-        kw = dict(max_new_tokens=8, do_sample=False)
         assert torch.equal(model.generate(ids, assistant_model=ToyMedusa.from_pretrained(out), **kw),
                            model.generate(ids, **kw))  # fmt: skip
     merged.save_pretrained(tmp_path / "merged")
