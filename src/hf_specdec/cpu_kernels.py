@@ -322,10 +322,24 @@ def draft_kernels_for(drafters: list, kernels: str, targets: list[torch.nn.Modul
         raise ValueError(f"draft kernels must be one of {', '.join(DRAFT_KERNELS)}, got {kernels!r}.")
     if kernels == "stock" or not _draft_weights_supported(kernels):
         return PackedLinears([])
-    handle, held = PackedLinears([]), torch.nn.ModuleList(targets)
+    held = torch.nn.ModuleList(targets)
+    drafters = {id(d): d for d in drafters if d is not None and all(d is not t for t in targets)}.values()
+    return _packed_together(functools.partial(pack_draft_weights, d, held, kernels) for d in drafters)
+
+
+def linear_kernels_for_all(models: list[torch.nn.Module], kernels: str) -> PackedLinears:
+    """:func:`linear_kernels_for` on each distinct model of ``models`` (a benchmark's target and an adapted copy of
+    it), as one handle."""
+    distinct = {id(m): m for m in models}.values()
+    return _packed_together(functools.partial(linear_kernels_for, m, kernels) for m in distinct)
+
+
+def _packed_together(packings) -> PackedLinears:
+    """One handle over what each ``packing()`` packed; if one fails, those already packed are restored."""
+    handle = PackedLinears([])
     try:
-        for drafter in {id(d): d for d in drafters if d is not None and all(d is not t for t in targets)}.values():
-            handle.modules += pack_draft_weights(drafter, held, kernels).modules
+        for packing in packings:
+            handle.modules += packing().modules
     except BaseException:
         handle.restore()
         raise

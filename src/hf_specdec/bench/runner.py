@@ -69,13 +69,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from ..cpu_kernels import (
-    DEFAULT_DRAFT_KERNELS,
-    PackedLinears,
-    draft_kernels_for,
-    grouped_query_sdpa,
-    linear_kernels_for,
-)
+from ..cpu_kernels import DEFAULT_DRAFT_KERNELS, draft_kernels_for, grouped_query_sdpa, linear_kernels_for_all
 from .prompts import PromptItem, render_prompt
 
 __all__ = [
@@ -132,18 +126,6 @@ def plain_method(name: str = "plain", target=None) -> BenchMethod:
     """Plain ``target.generate`` (the baseline); with ``target``, plain decoding of that model (e.g. an adapted
     target), the reference its own drafter rows are checked against."""
     return BenchMethod(name=name, kind="plain", target=target, reference=name if target is not None else None)
-
-
-def _pack_targets(targets: list, kernels: str) -> PackedLinears:
-    """:func:`~hf_specdec.cpu_kernels.linear_kernels_for` on each distinct model of ``targets``, as one handle."""
-    handle = PackedLinears([])
-    try:
-        for model in {id(t): t for t in targets}.values():
-            handle.modules += linear_kernels_for(model, kernels).modules
-    except BaseException:
-        handle.restore()
-        raise
-    return handle
 
 
 def adapted_target_methods(drafter, adapted_target, methods: list[BenchMethod]) -> list[BenchMethod]:
@@ -504,7 +486,7 @@ def run_benchmark(
     _check_arguments(prompts, methods, max_new_tokens, repeats, warmup, batch_sizes, temperatures)
     drafters, targets = [m.model for m in methods], [target] + [m.target for m in methods if m.target is not None]
     with (
-        _pack_targets(targets, linear_kernels) as packed,
+        linear_kernels_for_all(targets, linear_kernels) as packed,
         draft_kernels_for(drafters, draft_kernels, targets) as draft_packed,
         grouped_query_sdpa(target) as grouped,
     ):
