@@ -3,6 +3,8 @@ changes what is generated (greedy identity, lossless sampling)."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 from helpers import make_oracle, make_target, ragged_batch, repetitive_prompt
@@ -168,6 +170,49 @@ def test_costs_are_measured_relative_to_plain_steps_and_survive_load_changes():
     for _ in range(5):
         _feed(ctrl, 0, [0], 0.60)  # ... so plain steps follow, and they re-measure the anchor: the ratio is back
     assert ctrl.step_time == pytest.approx(0.60) and ctrl.relative_cost(3) == pytest.approx(1.5)
+
+
+def _step_seconds(context: int) -> float:
+    """A plain step on a machine where attending over one more slot costs 10 microseconds."""
+    return 0.030 + 1e-5 * context
+
+
+def _plain_call(ctrl: DraftLengthController, prompt: int, passes: int = 40) -> None:
+    ctrl.begin_call(prompt)
+    for i in range(passes):
+        ctrl.choose(100, 0, prompt + i)
+        _feed(ctrl, 0, [0], _step_seconds(prompt + i))
+
+
+def test_costs_are_read_at_the_context_each_pass_attended_over():
+    """On SmolLM2 at T = 0.7, plain steps measured on a 700-token prompt made a weak drafter's one-token drafts on the
+    short prompt after it look like 1.0 plain steps (they cost 1.35): it drafted whole calls at alpha 0.15-0.25, where
+    plain steps win. A pass's cost is now its time over a plain step's at its own context."""
+    ctrl = DraftLengthController(1, probe_every=1000)
+    for prompt in (60, 700, 60, 700):  # prompts of both lengths teach how a step's time grows with its context
+        _plain_call(ctrl, prompt)
+    assert ctrl.step_slope.slope == pytest.approx(1e-5, rel=0.05)
+    ctrl.begin_call(60)
+    for i in range(8):  # a short prompt's one-token drafts: 1.35 plain steps each, one in five accepted
+        ctrl.choose(100, 0, 60 + i)
+        _feed(ctrl, 1, [0, 0, 0, 0, 1], 1.35 * _step_seconds(60 + i))
+    _plain_call(ctrl, 700, passes=8)  # then a long prompt's plain steps: the recent anchor is a long context's
+    ctrl.begin_call(60)  # and a short prompt again
+    assert ctrl.step_time == pytest.approx(_step_seconds(60), rel=0.01)
+    assert ctrl.step_time_at(700) == pytest.approx(_step_seconds(704), rel=0.01)
+    assert ctrl.relative_cost(1) == pytest.approx(1.35, rel=0.01)  # not 1.35 * 0.031 / 0.037 = 1.12
+    assert ctrl.best(100) == 0  # 1.2 tokens for 1.35 steps: plain steps
+
+
+def test_one_prompt_length_leaves_the_anchor_a_median():
+    """Plain steps that all attend over about as many slots do not tell a slope from the noise: the anchor is their
+    median, a stall ignored."""
+    ctrl = DraftLengthController(1)
+    _plain_call(ctrl, 60, passes=64)
+    _feed(ctrl, 0, [0], 9.0)
+    assert ctrl.step_slope.slope == 0.0
+    recent = [_step_seconds(60 + i) for i in range(57, 64)] + [9.0]
+    assert ctrl.step_time == pytest.approx(statistics.median(recent))
 
 
 def test_draft_passes_never_move_the_plain_step_anchor():
@@ -500,7 +545,7 @@ class _ScriptedController(DraftLengthController):
 
     script = [4, 0, 2, 1, 4, 3, 0, 0, 4]
 
-    def choose(self, limit, pending_slots=0):
+    def choose(self, limit, pending_slots=0, context=None):
         k = self.script[self.passes % len(self.script)]
         self.passes_chosen = getattr(self, "passes_chosen", []) + [min(k, limit)]
         return max(min(k, limit), 0)
@@ -577,7 +622,7 @@ def test_lookup_is_taken_instead_of_plain_steps_only_while_it_pays():
     _lookup_pass(ctrl, 1.5)
     ctrl.record_copies([1])
     assert ctrl.step_time == 1.0 and list(ctrl.times) == [0]  # measured apart from plain steps and drafts
-    assert ctrl.lookup_tokens == 1.0 and list(ctrl.lookup_times) == [1.5]
+    assert ctrl.lookup_tokens == 1.0 and list(ctrl.lookup_times) == [(0, 1.5)]
     # 1 token in 1.5 s loses to plain steps: refused, except for probes of the cost at gaps that double (5, 10, 20).
     answers = [ctrl.use_lookup() for _ in range(40)]
     assert [i + 2 for i, a in enumerate(answers) if a] == [5, 15, 35], answers  # match numbers 5, 5+10, 15+20
@@ -617,16 +662,21 @@ def test_every_generate_call_begins_a_call_of_its_controller():
     ids = torch.randint(3, target.config.vocab_size, (1, 6))
     ctrl = controller_for(drafter, target, 2, None, 1, False, drafter.device)
     calls = []
-    ctrl.begin_call = lambda: calls.append(1)
+    ctrl.begin_call = lambda context=0: calls.append(context)
+    contexts, choose = [], ctrl.choose
+    ctrl.choose = lambda limit, pending_slots=0, context=None: contexts.append(context) or choose(limit, 0, context)
     for _ in range(2):
         target.generate(ids, assistant_model=drafter, max_new_tokens=4, do_sample=False, eos_token_id=None)
-    assert calls == [1, 1]
+    assert calls == [6, 6]  # each call begins at its prompt's width
+    # Each pass is planned at the slots it attends over: the prompt, the tokens committed, and the one it feeds.
+    per_call = contexts[: len(contexts) // 2]
+    assert per_call[0] == 7 and per_call == sorted(per_call) and contexts == per_call * 2, contexts
 
 
 class _PlainThenLookup(DraftLengthController):
     """Always asks for a plain step and always takes a lookup copy when there is one."""
 
-    def choose(self, limit, pending_slots=0):
+    def choose(self, limit, pending_slots=0, context=None):
         return 0
 
     def use_lookup(self, chosen_rate=1.0):
@@ -636,7 +686,7 @@ class _PlainThenLookup(DraftLengthController):
 class _DraftOrCopy(DraftLengthController):
     """Always asks for a 3-token draft and always lets copies go first."""
 
-    def choose(self, limit, pending_slots=0):
+    def choose(self, limit, pending_slots=0, context=None):
         return min(self.k_max, limit)
 
     def use_lookup(self, chosen_rate=1.0):
@@ -699,7 +749,7 @@ def test_lookup_passes_in_place_of_plain_steps_keep_greedy_identity(monkeypatch,
 class _TreeOrCopy(DraftLengthController):
     """Always asks for the whole tree and always takes a lookup copy when every row has one."""
 
-    def choose(self, limit, pending_slots=0):
+    def choose(self, limit, pending_slots=0, context=None):
         return self.k_max
 
     def use_lookup(self, chosen_rate=1.0):
@@ -744,7 +794,7 @@ class _RecordingDeclines(_Recording, DraftLengthController):
 
     outcomes = []
 
-    def choose(self, limit, pending_slots=0):
+    def choose(self, limit, pending_slots=0, context=None):
         return 0
 
     def use_lookup(self, chosen_rate=1.0):
@@ -852,7 +902,7 @@ class _DraftEveryFifthPass(DraftLengthController):
 
     passes = 0
 
-    def choose(self, limit, pending_slots=0):
+    def choose(self, limit, pending_slots=0, context=None):
         type(self).passes += 1
         return min(2, limit) if self.passes % 5 == 0 else 0
 
@@ -897,7 +947,7 @@ def _plain_winning_setup(monkeypatch, probes: bool):
     for k in (1, 2):
         _feed(ctrl, k, [0, 0], 0.1)
     if not probes:
-        monkeypatch.setattr(ctrl, "choose", lambda limit, pending_slots=0: 0)
+        monkeypatch.setattr(ctrl, "choose", lambda limit, pending_slots=0, context=None: 0)
     seen, observe = [], drafter.observe
     monkeypatch.setattr(drafter, "observe", lambda state, inputs: seen.append(inputs.next_token_ids.shape[1])
                         or observe(state, inputs))  # fmt: skip

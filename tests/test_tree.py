@@ -333,7 +333,7 @@ class _ScriptedTreeSizes(DraftLengthController):
         super().__init__(*args, **kwargs)
         self.made.append(self)
 
-    def choose(self, limit, pending_slots=0):
+    def choose(self, limit, pending_slots=0, context=None):
         return self.script[self.passes % len(self.script)]
 
 
@@ -678,7 +678,7 @@ class _FixedTreeSize(DraftLengthController):
 
     size = 0
 
-    def choose(self, limit, pending_slots=0):
+    def choose(self, limit, pending_slots=0, context=None):
         return self.size
 
 

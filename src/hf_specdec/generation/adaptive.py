@@ -16,10 +16,13 @@ large batch on a compute-bound device.
   pass) so that the estimate follows the text (code after prose, a repetitive passage...). In a batch, a pass
   counts as the progress of the row furthest behind: a call runs until its last row is done, so a pass where one
   row accepts three drafts and the others none moves the call on by one token, not by the rows' mean of 1.5.
-* ``t(K)`` is measured, never assumed: a length's cost is the median of its recent pass times over the median of
-  the recent plain steps' (the median ignores a pass hit by a one-off stall). Plain steps are the only anchor: a
-  draft pass's time never moves the plain-step time, so no run of draft passes can talk the loop into reading
-  drafts as cheap. While drafting wins, every other probe is a plain step, so the anchor follows the machine's
+* ``t(K)`` is measured, never assumed: a length's cost is the median of its recent passes' times, each over a
+  plain step's at the context that pass attended over (the median of the recent plain steps, moved along the
+  measured growth of a step's time with its context; the median ignores a pass hit by a one-off stall). A step
+  over a long prompt takes longer (on SmolLM2 on a 2-core CPU 20 % over 700 slots), so read against the long
+  prompt's plain steps a short prompt's drafts looked a quarter cheaper than they were. Plain steps are the only
+  anchor: a draft pass's time never moves the plain-step time, so no run of draft passes can talk the loop into
+  reading drafts as cheap. While drafting wins, every other probe is a plain step, so the anchor follows the machine's
   load; a machine that slows down while drafting makes drafts look dear, the loop then takes plain steps, and
   those re-measure the anchor (a few plain steps at worst, never a slower draft). A length that was never run is
   bounded by the cheapest measured longer one (drafting less never costs more), else not chosen; probes measure
@@ -181,7 +184,12 @@ class DraftLengthController:
         self.tree_passes = [0.0] * len(self.budgets)
         self.tree_sum = [0.0] * len(self.budgets)
         self.tree_sq = [0.0] * len(self.budgets)
-        self.times: dict[int, deque] = {}  # draft length (0: a plain step) -> recent pass times in seconds
+        # draft length (0: a plain step) -> recent passes as (context, seconds): the slots the pass attended over
+        self.times: dict[int, deque] = {}
+        self.step_slope = _StepSlope()  # how a plain step's time grows with its context
+        self.context = 0  # the slots the next pass attends over (choose's, else begin_call's)
+        self._recorded = 0  # pass times recorded
+        self._fitted_at, self._line, self._costs = -1, None, {}  # the anchor and costs as of _recorded == _fitted_at
         self.catchup: deque = deque(maxlen=window)  # (slots, seconds) of recent catch-ups
         self.widest_catchup: tuple[int, float] | None = None  # the catch-up over the most slots so far
         self.window = int(window)
@@ -195,7 +203,7 @@ class DraftLengthController:
         self.copy_outcomes: deque = deque(maxlen=copy_window)  # per row, what this call's recent lookup passes commit
         self.copy_prior = float(copy_prior)
         self._earlier_copies: float | None = None  # earlier calls' estimate of what a lookup pass commits
-        self.lookup_times: deque = deque(maxlen=window)  # lookup-only pass times in seconds
+        self.lookup_times: deque = deque(maxlen=window)  # lookup-only passes as (context, seconds)
         self._lookup_matches = 0
         self._lookup_gap = self.probe_every
         self._lookup_next = self.probe_every
@@ -252,22 +260,49 @@ class DraftLengthController:
 
     @property
     def step_time(self) -> float | None:
-        """Seconds of a plain step now: the median of the recent plain steps (``None`` before one), the anchor every
-        cost is relative to."""
-        plain = self.times.get(0)
-        return statistics.median(plain) if plain else None
+        """Seconds of a plain step now, at the current :attr:`context` (``None`` before one): the anchor every cost
+        is relative to (:meth:`step_time_at`)."""
+        return self.step_time_at(self.context)
+
+    def step_time_at(self, context: int) -> float | None:
+        """Seconds of a plain step over ``context`` slots now: the median of the recent plain steps, each moved to
+        ``context`` along :attr:`step_slope` (a step attends over every slot before it: on SmolLM2 on a 2-core CPU
+        one over 700 slots takes 20 % longer than one over 50, so plain steps measured on a long prompt made the
+        drafts of the short prompt after it look cheap); never below half the fastest of them."""
+        line = self._anchor_line()
+        if line is None:
+            return None
+        intercept, slope, floor = line
+        return max(intercept + slope * context, floor)
+
+    def _anchor_line(self) -> tuple[float, float, float] | None:
+        """``(intercept, slope, floor)`` of :meth:`step_time_at` (``None`` before a plain step), fitted again only
+        after a pass time was recorded (the loop asks for costs many times a pass)."""
+        if self._fitted_at != self._recorded:
+            self._fitted_at, self._costs = self._recorded, {}
+            plain, slope = self.times.get(0), self.step_slope.slope
+            self._line = None
+            if plain:  # a median of the steps moved to context 0: moving them all on to any context keeps it
+                intercept = statistics.median(seconds - slope * at for at, seconds in plain)
+                self._line = intercept, slope, 0.5 * min(seconds for _, seconds in plain)
+        return self._line
+
+    def _relative(self, samples) -> float:
+        """The median of ``(context, seconds)`` passes' times, each in plain steps over its own context."""
+        return statistics.median(seconds / self.step_time_at(at) for at, seconds in samples)
 
     def relative_cost(self, k: int) -> float | None:
         """Measured time of a pass drafting ``k`` tokens, in plain steps (the median of its recent passes over the
         plain steps' median; a plain step is 1 by definition); ``None`` while not measured: no draft length's cost is
         assumed."""
-        step = self.step_time
-        if step is None:
+        if self._anchor_line() is None:
             return None
         if k <= 0:
             return 1.0
-        samples = self.times.get(k)
-        return statistics.median(samples) / step if samples else None
+        if k not in self._costs:  # refitted with the anchor
+            samples = self.times.get(k)
+            self._costs[k] = self._relative(samples) if samples else None
+        return self._costs[k]
 
     def catchup_cost(self, slots: int) -> float:
         """Time, in plain steps, the drafter needs to catch up on ``slots`` verified slots it has not seen (after
@@ -361,9 +396,12 @@ class DraftLengthController:
         return best_k
 
     # ------------------------------------------------------------------ the calls the loop makes
-    def choose(self, limit: int, pending_slots: int = 0) -> int:
+    def choose(self, limit: int, pending_slots: int = 0, context: int | None = None) -> int:
         """The draft length of the next pass, at most ``limit`` (the tokens left before the length limit);
-        ``pending_slots``: verified slots the drafter has not seen yet (it catches up before drafting)."""
+        ``pending_slots``: verified slots the drafter has not seen yet (it catches up before drafting); ``context``:
+        the slots the pass attends over (its costs are read, and its time recorded, at that context)."""
+        if context is not None:
+            self.context = int(context)
         steps_left, limit = limit, min(limit, self.k_max)
         self._probing = False
         if limit <= 0:
@@ -448,10 +486,11 @@ class DraftLengthController:
             return statistics.fmean(self.copy_outcomes) if n else None
         return (sum(self.copy_outcomes) + self.copy_prior * prior) / (n + self.copy_prior)
 
-    def begin_call(self) -> None:
-        """A new ``generate`` call: what copies commit is learnt again from its text, from the estimate so far
-        (calls in other threads sharing this controller start over with it: their decisions change, never their
-        output)."""
+    def begin_call(self, context: int = 0) -> None:
+        """A new ``generate`` call over a prompt of ``context`` slots: what copies commit is learnt again from its
+        text, from the estimate so far (calls in other threads sharing this controller start over with it: their
+        decisions change, never their output)."""
+        self.context = int(context)
         self._earlier_copies = self.lookup_tokens
         self.copy_outcomes.clear()
 
@@ -463,10 +502,9 @@ class DraftLengthController:
     def lookup_rate(self) -> float | None:
         """Tokens per plain-step time of passes that verify prompt-lookup copies alone: :attr:`lookup_tokens` over
         the measured lookup passes' median time (``None`` before either is known)."""
-        step = self.step_time
-        if not self.lookup_times or self.lookup_tokens is None or step is None:
+        if not self.lookup_times or self.lookup_tokens is None or self.step_time is None:
             return None
-        return self.lookup_tokens / (statistics.median(self.lookup_times) / step)
+        return self.lookup_tokens / self._relative(self.lookup_times)
 
     def update(
         self,
@@ -495,9 +533,12 @@ class DraftLengthController:
         self._charge_probe(seconds, committed, act, ends)
         seconds = max(seconds - catchup_seconds, 1e-9)
         if lookup:  # what the copies commit is recorded apart, for every match (record_copies)
-            self.lookup_times.append(seconds)
+            self.lookup_times.append((self.context, seconds))
             return
-        self.times.setdefault(k, deque(maxlen=self.window)).append(seconds)
+        self.times.setdefault(k, deque(maxlen=self.window)).append((self.context, seconds))
+        self._recorded += 1
+        if k <= 0:
+            self.step_slope.add(self.context, seconds)
         if catchup_slots:
             self.record_catchup(catchup_slots, catchup_seconds)
         if k <= 0 or not bool(act.any()):
@@ -570,6 +611,34 @@ class DraftLengthController:
                     self.reached[d] += 1.0
                     if acc >= d:
                         self.accepted[d] += 1.0
+
+
+class _StepSlope:
+    """How a plain step's time grows with the slots it attends over, in seconds per slot: the least-squares slope over
+    the plain steps measured, each weighed ``decay`` less per later plain step (so it spans several calls' prompts,
+    and follows the machine). 0 until their contexts spread over ``min_spread`` slots (a standard deviation: one
+    short call's do not tell it from the noise); never negative, and never so steep that a step over no slots would
+    take less than half the mean step."""
+
+    def __init__(self, decay: float = 0.995, min_spread: float = 64.0):
+        self.decay, self.min_spread = decay, min_spread
+        self.sums = [0.0] * 5  # weight, context, context², seconds, context·seconds
+
+    def add(self, context: int, seconds: float) -> None:
+        terms = (1.0, context, context * context, seconds, context * seconds)
+        self.sums = [self.decay * total + term for total, term in zip(self.sums, terms)]
+
+    @property
+    def slope(self) -> float:
+        weight, context, context_sq, seconds, cross = self.sums
+        if weight == 0.0:
+            return 0.0
+        mean_context, mean_seconds = context / weight, seconds / weight
+        variance = context_sq / weight - mean_context**2
+        if variance < self.min_spread**2:
+            return 0.0
+        slope = (cross / weight - mean_context * mean_seconds) / variance
+        return min(max(slope, 0.0), 0.5 * mean_seconds / mean_context)
 
 
 def batch_progress(starts: list[int], committed: list[int]) -> int:

@@ -789,7 +789,7 @@ class SpeculativeDecoder:
             budgets = None if options.policy is None else options.policy.node_budgets
             self.controller = controller_for(drafter, model, k, tree_key, self.bsz, options.do_sample, self.work,
                                              variant=variant, budgets=budgets)  # fmt: skip
-            self.controller.begin_call()
+            self.controller.begin_call(self.prompt_len)
         self.copy_outcomes = CopyOutcomes()  # the rows' lookup copies, scored once their text is known
         self.plain_steps = 0
         self.pending: list[DraftInputs] = []  # verified slots (and the prompt) not yet shown to the drafter
@@ -915,13 +915,15 @@ class SpeculativeDecoder:
     def _plan(self) -> _Pass:
         """How many tokens to draft: the adaptive length's choice (0: a plain step), or always ``k_max``; and, with
         the adaptive length, whether the rows' prompt-lookup copies go first (:meth:`_copies_first`)."""
-        limit = self.committed.remaining() - 1  # a pass never drafts past the length limit
+        remaining = self.committed.remaining()
+        limit = remaining - 1  # a pass never drafts past the length limit
         pending_slots = self._pending_slots()
         if self.controller is None:  # the longest chain that fits, or the whole tree (the loop caps what it commits)
             policy = self.options.policy
             k = min(self.options.k_max, limit) if policy is None or limit <= 0 else policy.max_nodes
-        else:
-            k = self.controller.choose(limit, pending_slots)
+        else:  # the pass attends over the prompt and what the row furthest behind has generated
+            context = self.prompt_len + self.committed.max_new - remaining
+            k = self.controller.choose(limit, pending_slots, context)
         step = _Pass(k=k, limit=limit, t_start=self.stats.clock())
         step.copy = self._copies_first(step, pending_slots)
         if step.copy is not None and self._every_row_has(step.copy):
