@@ -20,7 +20,7 @@ large batch on a compute-bound device.
   plain step's at the context that pass attended over (the median of the recent plain steps, moved along the
   measured growth of a step's time with its context; the median ignores a pass hit by a one-off stall). A step
   over a long prompt takes longer (on SmolLM2 on a 2-core CPU 20 % over 700 slots), so read against the long
-  prompt's plain steps a short prompt's drafts looked a quarter cheaper than they were. Plain steps are the only
+  prompt's plain steps a short prompt's drafts looked about a fifth cheaper than they were. Plain steps are the only
   anchor: a draft pass's time never moves the plain-step time, so no run of draft passes can talk the loop into
   reading drafts as cheap. While drafting wins, every other probe is a plain step, so the anchor follows the machine's
   load; a machine that slows down while drafting makes drafts look dear, the loop then takes plain steps, and
@@ -292,9 +292,9 @@ class DraftLengthController:
         return statistics.median(seconds / self.step_time_at(at) for at, seconds in samples)
 
     def relative_cost(self, k: int) -> float | None:
-        """Measured time of a pass drafting ``k`` tokens, in plain steps (the median of its recent passes over the
-        plain steps' median; a plain step is 1 by definition); ``None`` while not measured: no draft length's cost is
-        assumed."""
+        """Measured time of a pass drafting ``k`` tokens, in plain steps (the median of its recent passes, each over a
+        plain step at its own context; a plain step is 1 by definition); ``None`` while not measured: no draft
+        length's cost is assumed."""
         if self._anchor_line() is None:
             return None
         if k <= 0:
