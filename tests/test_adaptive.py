@@ -664,7 +664,9 @@ def test_every_generate_call_begins_a_call_of_its_controller():
     calls = []
     ctrl.begin_call = lambda context=0: calls.append(context)
     contexts, choose = [], ctrl.choose
-    ctrl.choose = lambda limit, pending_slots=0, context=None: contexts.append(context) or choose(limit, 0, context)
+    ctrl.choose = lambda limit, pending_slots=0, context=None: (
+        contexts.append(context) or choose(limit, pending_slots, context)
+    )
     for _ in range(2):
         target.generate(ids, assistant_model=drafter, max_new_tokens=4, do_sample=False, eos_token_id=None)
     assert calls == [6, 6]  # each call begins at its prompt's width
