@@ -939,15 +939,17 @@ def test_the_draft_cost_counts_drafting_passes_not_the_prompt_or_catch_ups(monke
 
 def _plain_winning_setup(monkeypatch, probes: bool):
     """A target, a batch of two ragged prompts, an EAGLE-3 drafter whose observe calls are recorded (slots per call),
-    and a controller remembered from earlier calls where a draft pass cost 10 plain steps (plain steps win); without
-    ``probes`` it never drafts."""
+    and a controller remembered from earlier calls where a draft pass cost 1.2 plain steps and committed one token
+    (plain steps win); with ``probes``, probes may lose the whole call's time (the test's real plain steps are far
+    faster than those remembered), else it never drafts."""
     target = make_target("llama")
     torch.manual_seed(0)
     drafter = AutoModelForDrafting.from_config(Eagle3Config.for_target(target.config, num_draft_tokens=2)).eval()
     ctrl = controller_for(drafter, target, 2, None, 2, False, torch.device("cpu"))
     _feed(ctrl, 0, [0, 0], 0.01)
     for k in (1, 2):
-        _feed(ctrl, k, [0, 0], 0.1)
+        _feed(ctrl, k, [0, 0], 0.012)
+    ctrl.probe_share = 1.0
     if not probes:
         monkeypatch.setattr(ctrl, "choose", lambda limit, pending_slots=0, context=None: 0)
     seen, observe = [], drafter.observe
@@ -1010,6 +1012,49 @@ def test_probes_lose_at_most_their_share_of_the_time():
     # Control: without the budget the same probes lose several times that share.
     free = _losing_run(probe_share=1.0)
     assert free.probe_loss_seconds > 0.05 * free.measured_seconds
+
+
+def _dear_drafts_and_copies(ctrl: DraftLengthController) -> DraftLengthController:
+    """Drafts of 3 and lookup passes that each cost 3 plain steps of 1 s and commit one token (a batch of 4 on a
+    CPU), measured; the run-wide budget has saved up (only a call's share can bind)."""
+    _feed(ctrl, 3, [0], 3.0)
+    _feed(ctrl, 0, [0], 1.0)
+    ctrl.record_copies([1.0])
+    ctrl.update(0, torch.tensor([4]), torch.tensor([1]), torch.tensor([True]), 3.0, lookup=True)
+    ctrl.measured_seconds = 1e6
+    return ctrl
+
+
+def _explorations_per_call(steps: int, calls: int = 3) -> tuple[list[int], list[float]]:
+    """Calls of ``steps`` tokens with :func:`_dear_drafts_and_copies`' costs, copies matching at every pass: the
+    draft and lookup passes of each call, and what each call's probes lost, in plain steps."""
+    ctrl = _dear_drafts_and_copies(DraftLengthController(3, probe_every=4, max_probe_gap=8))
+    explored, lost = [], []
+    for _ in range(calls):
+        ctrl.begin_call(0)
+        before, n = ctrl.probe_loss_seconds, 0
+        for left in range(steps, 0, -1):
+            k = ctrl.choose(left)
+            if ctrl.use_lookup(ctrl.rate(k) if k else 1.0):
+                ctrl.record_copies([1.0])
+                ctrl.update(0, torch.tensor([4]), torch.tensor([1]), torch.tensor([True]), 3.0, lookup=True)
+                n += 1
+                continue
+            n += k > 0
+            _feed(ctrl, k, [0], 3.0 if k else 1.0)
+        explored.append(n)
+        lost.append(ctrl.probe_loss_seconds - before)
+    return explored, lost
+
+
+def test_a_probe_runs_only_where_its_call_affords_what_it_is_expected_to_lose():
+    """A probe that costs 3 plain steps and commits one token loses 2: more than 2 % of a 64-token call (1.28), so
+    such calls take plain steps only, however much the run-wide budget has saved up; a 400-token call affords a few
+    probes, and what they lose stays within its share (8 steps)."""
+    short, short_lost = _explorations_per_call(64)
+    assert short == [0, 0, 0] and short_lost == [0.0, 0.0, 0.0]
+    long, long_lost = _explorations_per_call(400)
+    assert all(n >= 2 for n in long) and all(0 < lost <= 0.02 * 400 for lost in long_lost), (long, long_lost)
 
 
 def test_a_probe_that_pays_adds_to_the_budget():

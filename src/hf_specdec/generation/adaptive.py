@@ -40,14 +40,16 @@ large batch on a compute-bound device.
   next to the current best (hill climbing), so a length that was underestimated gets measured. The first probe comes
   after ``probe_every`` passes; while probes do not change the best choice, the gap between them doubles (up to
   ``max_probe_gap`` passes), so a drafter that does not pay costs next to nothing, and it shrinks back to
-  ``probe_every`` as soon as the best choice changes. A probe that drafts after plain steps first pays for the
-  drafter's catch-up; it waits while that would cost more than ``probe_share`` of the plain steps left in the call
-  (a waiting prompt of a thousand tokens at batch 4 costs about five steps, more than a short call's probe can win
-  back), and is taken in a later call where it is cheap. And probes have a budget: each one's loss (its time over
-  what plain steps take to commit what it committed; a probe that pays is a gain) is summed, and no probe, of a draft
-  length or of prompt lookup, runs while the sum is above ``probe_share`` of all the time measured. Where drafting
-  does not pay (a batch of 4 on a CPU, where a lookup probe costs 2.4–4.9 plain steps) exploring then costs at most
-  that share and one probe, whatever the estimates' noise does to the gaps between probes.
+  ``probe_every`` as soon as the best choice changes. A probe's loss is its time over what plain steps take to
+  commit what it committed (a probe that pays is a gain), and probes have two budgets. In each call, a probe waits
+  while what it is expected to lose (its measured cost and, after plain steps, the drafter's catch-up, less the
+  tokens it is expected to commit) would take the call's probes past ``probe_share`` of the call's steps: at batch 4
+  on a CPU a pass over several tokens costs about three plain steps and a waiting prompt of a thousand tokens about
+  five, 5–8 % of a 64-token call, so such a probe is taken in a longer call or not at all. Over the run, no probe,
+  of a draft length or of prompt lookup, runs while the probes' summed loss is above ``probe_share`` of all the time
+  measured. Where drafting does not pay (a batch of 4 on a CPU, where a lookup probe costs 2.4–4.9 plain steps)
+  exploring then costs at most that share of each call and of the run, whatever the estimates' noise does to the
+  gaps between probes.
 * A few rejected drafts early on (the first pass after a prompt, two unlucky probes) can put ``alpha_1`` far below
   the drafter's real rate, and the plain steps that follow add no evidence: with probes at doubling gaps the loop
   could then decode plainly for hundreds of passes with a drafter that pays. So while the loop decodes plainly, the
@@ -136,10 +138,10 @@ class DraftLengthController:
             (0.05: 5 % more), so that measurement noise does not make the loop draft where drafting breaks even.
         probe_every: passes before the first probe of a neighbouring draft length (and the gap after a change).
         max_probe_gap: the longest gap between two probes.
-        probe_share: the most probes may cost (0.02: 2 %): a probe waits while the drafter's catch-up before it
-            would cost more than this share of the plain steps left in the call, and while the probes so far
-            (prompt-lookup re-measures too) have lost more than this share of all the time measured, each one's
-            loss being its time over what plain steps take to commit what it committed.
+        probe_share: the most probes may lose (0.02: 2 %), each one's loss being its time over what plain steps
+            take to commit what it committed: a probe waits while its expected loss would take the call's probes
+            past this share of the call's steps, and while the probes so far (prompt-lookup re-measures too) have
+            lost more than this share of all the time measured.
         probe_optimism: while the loop decodes plainly, a probe drafts the length that estimates raised by this many
             standard errors (of each depth's acceptance count) say would win, and comes again after
             ``probe_every`` passes while they say so (0: probes of the neighbouring length at doubling gaps only).
@@ -199,6 +201,8 @@ class DraftLengthController:
         self._probing = False  # the pass being planned explores (a probe or a lookup re-measure)
         self.measured_seconds = 0.0  # every recorded pass, catch-ups included
         self.probe_loss_seconds = 0.0  # what probes cost over plain steps committing the same (negative: a gain)
+        self._call_start, self._call_probe_loss = 0, 0.0  # passes before this call; what its probes lost
+        self._steps_left = 0  # the steps left in the call as of the last choose
         self.last_choice: int | None = None
         self.copy_outcomes: deque = deque(maxlen=copy_window)  # per row, what this call's recent lookup passes commit
         self.copy_prior = float(copy_prior)
@@ -403,7 +407,7 @@ class DraftLengthController:
         if context is not None:
             self.context = int(context)
         steps_left, limit = limit, min(limit, self.k_max)
-        self._probing = False
+        self._steps_left, self._probing = steps_left, False
         if limit <= 0:
             return 0
         if self.tree and limit < self.k_max:
@@ -417,43 +421,61 @@ class DraftLengthController:
                 self._last_best = choice
                 self._probe_gap = self.probe_every
                 self._next_probe = min(self._next_probe, n + max(self.probe_every // 4, 1))
-            if n > 1 and n >= self._next_probe and self._probe_affordable(choice, steps_left, pending_slots):
-                hopeful = self.best(limit, pending_slots, steps_left, self.probe_optimism) if choice == 0 else 0
-                self._probe_gap = self.probe_every if hopeful else min(2 * self._probe_gap, self.max_probe_gap)
-                self._next_probe = n + self._probe_gap
-                choice = hopeful or self._probe(choice, limit)
-                self._probing = True
+            if n > 1 and n >= self._next_probe and self._within_probe_budget():
+                choice = self._probe(choice, limit, pending_slots, steps_left)
         self.last_choice = choice
         return choice
 
-    def _probe_affordable(self, choice: int, steps_left: int, pending_slots: int) -> bool:
-        """Whether a probe may run now: the probes so far are within their budget, and one that drafts after plain
-        steps (``choice`` 0) does not spend more than ``probe_share`` of the ``steps_left`` plain steps left in the
-        call on the drafter's catch-up."""
-        catchup_ok = choice > 0 or self.catchup_cost(pending_slots) <= self.probe_share * steps_left
-        return catchup_ok and self._within_probe_budget()
-
-    def _within_probe_budget(self) -> bool:
-        """Whether what probes have lost so far is at most ``probe_share`` of all the time measured."""
-        return self.probe_loss_seconds <= self.probe_share * self.measured_seconds
-
-    def _probe(self, choice: int, limit: int) -> int:
-        """A probe: while drafting wins, every other probe is a plain step (it re-measures the anchor every cost is
-        relative to); otherwise the draft length next to ``choice``."""
-        self._probes += 1
-        if choice > 0 and self._probes % 2:
-            return 0
-        return self._neighbour(choice, limit)
+    def _probe(self, choice: int, limit: int, pending_slots: int, steps_left: int) -> int:
+        """A probe, when this call affords it (:meth:`_call_affords`), else ``choice``: while the loop decodes
+        plainly, the draft length the hopeful estimate says would win, if any; else, while drafting wins, every
+        other probe is a plain step (it re-measures the anchor every cost is relative to); otherwise the draft
+        length next to ``choice`` (alternating sides), so that its cost gets measured."""
+        hopeful = self.best(limit, pending_slots, steps_left, self.probe_optimism) if choice == 0 else 0
+        plain_turn = choice > 0 and self._probes % 2 == 0
+        arm = hopeful or (0 if plain_turn else self._neighbour(choice, limit))
+        if not self._call_affords(self._draft_loss(arm, pending_slots)):
+            return choice  # asked again at the next pass: a later, cheaper moment of this call or the next call
+        self._probe_gap = self.probe_every if hopeful else min(2 * self._probe_gap, self.max_probe_gap)
+        self._next_probe = self.passes + self._probe_gap
+        if not hopeful:
+            self._probes += 1
+            self._probe_side = self._probe_side if plain_turn else -self._probe_side
+        self._probing = True
+        return arm
 
     def _neighbour(self, choice: int, limit: int) -> int:
-        """A probe: the draft length next to ``choice`` (alternating sides), so that its cost gets measured."""
+        """The draft length next to ``choice`` on the side whose turn it is."""
         arms = [k for k in self.arms() if k <= limit]
         i = arms.index(choice) if choice in arms else 0
         j = min(max(i + self._probe_side, 0), len(arms) - 1)
         if j == i:
             j = min(max(i - self._probe_side, 0), len(arms) - 1)
-        self._probe_side = -self._probe_side
         return arms[j]
+
+    def _draft_loss(self, k: int, pending_slots: int) -> float | None:
+        """What a pass drafting ``k`` is expected to lose against plain steps, in plain steps: its cost and the
+        drafter's catch-up on ``pending_slots``, less the tokens it is expected to commit (the plain estimate, not
+        the hopeful one); 0 for a plain step, ``None`` while its cost is not known."""
+        cost = self.cost_bound(k) if k > 0 else 1.0
+        if cost is None:
+            return None
+        return cost + (self.catchup_cost(pending_slots) if k > 0 else 0.0) - self.expected_tokens(k)
+
+    def _call_affords(self, loss: float | None) -> bool:
+        """Whether a probe expected to lose ``loss`` plain steps keeps what this call's probes lose within
+        ``probe_share`` of the call's steps (the passes so far and the steps left): a probe over several tokens
+        that costs three steps in a batch of 4 is 5 % of a 64-token call, whatever the run-wide budget has saved
+        up. A probe whose cost is not measured yet is afforded (running it measures it)."""
+        step = self.step_time
+        if loss is None or step is None:
+            return True
+        spent = self._call_probe_loss / step
+        return spent + max(loss, 0.0) <= self.probe_share * (self.passes - self._call_start + self._steps_left)
+
+    def _within_probe_budget(self) -> bool:
+        """Whether what probes have lost so far is at most ``probe_share`` of all the time measured."""
+        return self.probe_loss_seconds <= self.probe_share * self.measured_seconds
 
     def use_lookup(self, chosen_rate: float = 1.0) -> bool:
         """Whether a pass should verify the rows' prompt-lookup copies before the drafter's chain (asked only when
@@ -469,13 +491,19 @@ class DraftLengthController:
             self._lookup_gap = self.probe_every
             self._lookup_next = self._lookup_matches + self.probe_every
             return True
-        if rate is None or (self._lookup_matches >= self._lookup_next and self._within_probe_budget()):
+        if rate is None or (self._lookup_matches >= self._lookup_next and self._lookup_probe_afforded()):
             if rate is not None:
                 self._lookup_gap = min(2 * self._lookup_gap, self.max_probe_gap)
                 self._lookup_next = self._lookup_matches + self._lookup_gap
             self._probing = True
             return True
         return False
+
+    def _lookup_probe_afforded(self) -> bool:
+        """Whether a lookup pass that re-measures its cost may run now: within the probes' budget, and its
+        expected loss (its cost less the tokens copies commit, in plain steps) within this call's share."""
+        loss = self._relative(self.lookup_times) - self.lookup_tokens
+        return self._within_probe_budget() and self._call_affords(loss)
 
     @property
     def lookup_tokens(self) -> float | None:
@@ -491,6 +519,7 @@ class DraftLengthController:
         text, from the estimate so far (calls in other threads sharing this controller start over with it: their
         decisions change, never their output)."""
         self.context = int(context)
+        self._call_start, self._call_probe_loss = self.passes, 0.0
         self._earlier_copies = self.lookup_tokens
         self.copy_outcomes.clear()
 
@@ -573,6 +602,7 @@ class DraftLengthController:
         else:
             progress = min(done)
         self.probe_loss_seconds += seconds - progress * step
+        self._call_probe_loss += seconds - progress * step
 
     def _record_tree(self, nodes: int, committed: list[int], ends: list[int] | None, paths: list | None) -> None:
         """Records what a tree pass of ``nodes`` nodes tells: given the rows' accepted ``paths`` (node indices of a
