@@ -9,7 +9,14 @@ import sys
 
 import pytest
 
-from hf_specdec.bench.report import category_table, format_console_table, markdown_table, save_plots, write_report
+from hf_specdec.bench.report import (
+    category_table,
+    category_verdicts,
+    format_console_table,
+    markdown_table,
+    save_plots,
+    write_report,
+)
 
 
 def record(method, kind, category, speedup, tau, **extra):
@@ -124,6 +131,25 @@ def test_category_table(report):
     assert sampling == [["eagle3:demo-eagle3", "1.31× (3.10)"]]
     with pytest.raises(ValueError, match="available"):
         category_table(report, batch_size=8)
+
+
+def test_category_verdicts_name_each_category_row_slower_than_plain_by_its_interval(report, tmp_path):
+    assert category_verdicts(report) is None  # no category row has a verdict (an older report)
+    rows = {(r["method"], r["category"]): r for r in report["records"]}
+    rows["eagle3:demo-eagle3", "qa"].update(speedup_median=0.86, speedup_ci95=[0.80, 0.93], verdict="slower than plain")
+    rows["eagle3:demo-eagle3", "translation"].update(speedup_median=1.8, speedup_ci95=[1.7, 1.9], verdict="faster")
+    rows["eagle3:demo-eagle3", "all"].update(speedup_ci95=[0.5, 0.6], verdict="slower than plain")  # not listed
+    line = category_verdicts(report)
+    assert line == (
+        "Category rows by their own interval: 1 faster, 0 within noise; slower than plain: eagle3:demo-eagle3 in qa "
+        "0.86× [0.80–0.93]."
+    )
+    rows["eagle3:demo-eagle3", "qa"].update(speedup_ci95=[0.80, 1.02], verdict="within noise")
+    assert category_verdicts(report).endswith("1 within noise; slower than plain: none.")
+    assert category_verdicts(report, mode="sampling") is None
+    paths = write_report(report, str(tmp_path), stem="bench")
+    with open(paths["markdown"], encoding="utf-8") as f:
+        assert category_table(report) + "\n\n" + category_verdicts(report) in f.read()
 
 
 def test_console_table(report):

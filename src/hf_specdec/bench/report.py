@@ -12,7 +12,8 @@ Any numeric field may be ``None`` (not measured / not applicable). ``load`` reco
 during the run (optional: older reports have none).
 
 Every table and the plot show the median of the per-repeat speedups where a record has one (else the pooled
-``speedup``, as for the baseline and older reports); the main table adds its 95 % interval and the verdict. The
+``speedup``, as for the baseline and older reports); the main table adds its 95 % interval and the verdict, and a line
+under each category table counts its category rows' verdicts and names each row slower than plain. The
 Identical column reads ``yes``, or ``no (N near-ties, M real)`` when outputs differ from plain greedy decoding.
 """
 
@@ -26,6 +27,7 @@ import warnings
 __all__ = [
     "approximate_table",
     "category_table",
+    "category_verdicts",
     "format_console_table",
     "markdown_table",
     "save_plots",
@@ -48,6 +50,9 @@ _COLUMNS = (
     "Cache",
     "Identical",
 )
+# A speedup's verdict by its 95 % interval (the runner's ``_verdict``): above 1, around 1, below 1.
+FASTER, WITHIN_NOISE, SLOWER = "faster", "within noise", "slower than plain"
+_VERDICTS = (FASTER, WITHIN_NOISE, SLOWER)
 _NUMERIC = {"Batch", "tokens/s", "Speedup", "τ", "α", "c", "Bound", "Plain/lookup", "Cache"}
 
 
@@ -142,6 +147,24 @@ def category_table(report: dict, mode: str = "greedy", batch_size: int = 1) -> s
         values = [_category_cell(cells.get(c)) for c in categories] + [_category_cell(cells.get("all"))]
         lines.append("| " + " | ".join(_escape(v) for v in [label] + values) + " |")
     return "\n".join(lines)
+
+
+def category_verdicts(report: dict, mode: str = "greedy", batch_size: int = 1) -> str | None:
+    """One line for under a category table: how many of its category rows (not the Overall column) are faster or
+    within noise by their own 95 % interval, and each that is slower than plain, named with its interval; ``None``
+    when none of them has a verdict (under 3 repeats, or an older report)."""
+    rows = [
+        r
+        for r in _records(report)
+        if r.get("mode") == mode and r.get("batch_size") == batch_size and r.get("kind") != "plain"
+        and r.get("category", "all") != "all" and r.get("verdict") in _VERDICTS
+    ]  # fmt: skip
+    if not rows:
+        return None
+    slower = [f"{r.get('method')} in {r.get('category')} {_speedup_cell(r)}" for r in rows
+              if r["verdict"] == SLOWER]  # fmt: skip
+    counts = ", ".join(f"{sum(r['verdict'] == v for r in rows)} {v}" for v in _VERDICTS[:2])
+    return f"Category rows by their own interval: {counts}; slower than plain: {'; '.join(slower) or 'none'}."
 
 
 def save_plots(report: dict, path: str) -> str | None:
@@ -324,6 +347,8 @@ def _markdown_document(report: dict, records: list[dict], png_name: str) -> str:
         for mode, batch_size in combos:
             parts += [f"## By category ({mode}, batch size {batch_size})", ""]
             parts += [category_table(report, mode=mode, batch_size=batch_size), ""]
+            verdicts = category_verdicts(report, mode=mode, batch_size=batch_size)
+            parts += [verdicts, ""] if verdicts else []
     approx = approximate_table(report)
     if approx:
         parts += ["## Approximate verification: quality", "", approx, ""]

@@ -71,6 +71,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from ..cpu_kernels import DEFAULT_DRAFT_KERNELS, draft_kernels_for, grouped_query_sdpa, linear_kernels_for_all
 from .prompts import PromptItem, render_prompt
+from .report import FASTER, SLOWER, WITHIN_NOISE
 
 __all__ = [
     "NEAR_TIE_K",
@@ -1233,10 +1234,10 @@ def _verdict(interval: tuple[float, float] | None, repeats: int) -> str:
         return "too few repeats"
     low, high = interval
     if low > 1.0:
-        return "faster"
+        return FASTER
     if high < 1.0:
-        return "slower than plain"
-    return "within noise"
+        return SLOWER
+    return WITHIN_NOISE
 
 
 def _acceptance(accepted: list[int], drafted: list[int]) -> tuple[list[float], float | None]:
