@@ -8,7 +8,7 @@ import torch
 from helpers import make_oracle, make_target, ragged_batch, repetitive_prompt
 
 from hf_specdec import AutoModelForDrafting, Eagle3Config, Proposal
-from hf_specdec.generation.ngram import CopyOutcomes, lookup_continuations, merge_lookup
+from hf_specdec.generation.ngram import CopyOutcomes, NgramIndex, lookup_continuations, merge_lookup
 
 
 def test_lookup_finds_the_latest_occurrence_of_the_longest_ngram():
@@ -30,6 +30,31 @@ def test_lookup_falls_back_to_shorter_ngrams_and_ignores_padding():
     seq2 = torch.tensor([[3, 3, 9, 3]])
     _, n2 = lookup_continuations(seq2, torch.tensor([2]), torch.tensor([4]), 3, ngram_sizes=(1,))
     assert n2.tolist() == [0]
+
+
+@pytest.mark.parametrize("sizes", [(3, 2), (3, 2, 1)])
+def test_the_ngram_index_finds_what_a_scan_of_the_whole_text_finds_as_rows_grow(sizes):
+    """The loop looks copies up in an index it extends with each pass's committed tokens; at every pass it must
+    give what the scan of each row's text (left padding, rows that commit nothing, several tokens at once) gives."""
+    gen = torch.Generator().manual_seed(3)
+    bsz, prompt, width = 3, 12, 80
+    seq = torch.randint(0, 5, (bsz, width), generator=gen)  # a small vocabulary: n-grams repeat often
+    starts = torch.tensor([0, 4, 9])  # left padding the text must not see
+    lengths = torch.full((bsz,), prompt)
+    index = NgramIndex(seq, starts, lengths, ngram_sizes=sizes)
+    found = 0
+    while int(lengths.max()) < width - 4:
+        for num_tokens in (1, 6):
+            got = index.continuations(num_tokens)
+            want = lookup_continuations(seq, starts, lengths, num_tokens, ngram_sizes=sizes)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            found += int((want[1] > 0).sum())
+        counts = torch.randint(0, 4, (bsz,), generator=gen)
+        new = torch.randint(0, 5, (bsz, 3), generator=gen)
+        seq.scatter_(1, lengths[:, None] + torch.arange(3)[None], new)  # past a row's count: scratch, not text
+        index.extend(new, counts)
+        lengths = lengths + counts
+    assert found > 50  # the comparison saw many matches, not only empty rows
 
 
 def test_copy_outcomes_wait_for_their_text_then_count_what_a_lookup_pass_commits():

@@ -74,10 +74,9 @@ batch 1), a smaller one where it does not (on SmolLM2 on a 2-core CPU a pass ove
 steps). A size not measured yet is priced between the measured ones around it (:meth:`cost_bound`).
 
 Prompt lookup gets its own chance before the drafter: when some row's last n-gram occurred before, the pass can
-verify the copied continuations (:func:`hf_specdec.generation.ngram.lookup_proposal`) instead of a plain step or the
-chosen draft, without drafting when every row has a copy (rows without one draft their chain; a tree pass gives way
-only where every row has one). The drafter fails
-most where the target copies from its prompt (summaries quoting the article, answers quoting passages), and that is
+verify the copied continuations (:meth:`hf_specdec.generation.ngram.NgramIndex.proposal`) instead of a plain step
+or the chosen draft, without drafting when every row has a copy (rows without one draft their chain; a tree pass gives
+way only where every row has one). The drafter fails most where the target copies from its prompt (summaries quoting the article, answers quoting passages), and that is
 where a copy holds. Lookup passes' tokens per pass and pass time are measured separately
 (:meth:`DraftLengthController.use_lookup`): copies go first while they commit more tokens per second than the chosen
 length is expected to (by ``margin``), and are tried once when nothing is known. What a copy commits is learnt from
@@ -192,6 +191,8 @@ class DraftLengthController:
         self.context = 0  # the slots the next pass attends over (choose's, else begin_call's)
         self._recorded = 0  # pass times recorded
         self._fitted_at, self._line, self._costs = -1, None, {}  # the anchor and costs as of _recorded == _fitted_at
+        self._bounds: dict[int, float | None] = {}  # cost_bound per draft length, refitted with the costs
+        self._catchup_fit: tuple[float, float] | None = None  # _catchup_line as of the last catch-up recorded
         self.catchup: deque = deque(maxlen=window)  # (slots, seconds) of recent catch-ups
         self.widest_catchup: tuple[int, float] | None = None  # the catch-up over the most slots so far
         self.window = int(window)
@@ -283,7 +284,7 @@ class DraftLengthController:
         """``(intercept, slope, floor)`` of :meth:`step_time_at` (``None`` before a plain step), fitted again only
         after a pass time was recorded (the loop asks for costs many times a pass)."""
         if self._fitted_at != self._recorded:
-            self._fitted_at, self._costs = self._recorded, {}
+            self._fitted_at, self._costs, self._bounds = self._recorded, {}, {}
             plain, slope = self.times.get(0), self.step_slope.slope
             self._line = None
             if plain:  # a median of the steps moved to context 0: moving them all on to any context keeps it
@@ -315,7 +316,9 @@ class DraftLengthController:
         step = self.step_time
         if not self.catchup or not slots or step is None:
             return 0.0
-        fixed, per_slot = self._catchup_line()
+        if self._catchup_fit is None:
+            self._catchup_fit = self._catchup_line()
+        fixed, per_slot = self._catchup_fit
         return (fixed + per_slot * slots) / step
 
     def _catchup_line(self) -> tuple[float, float]:
@@ -351,6 +354,11 @@ class DraftLengthController:
         cost = self.relative_cost(k)
         if cost is not None or k <= 0:
             return cost
+        if k not in self._bounds:  # refitted with the anchor
+            self._bounds[k] = self._bound_from_others(k)
+        return self._bounds[k]
+
+    def _bound_from_others(self, k: int) -> float | None:
         measured = {j: c for j in self.times if (c := self.relative_cost(j)) is not None}
         longer = {j: c for j, c in measured.items() if j > k}
         if not longer:
@@ -374,11 +382,8 @@ class DraftLengthController:
         cost = self.cost_bound(k)
         if cost is None:
             return None
-        tokens = self.expected_tokens(k, optimism)
         catchup = self.catchup_cost(pending_slots) if k > 0 else 0.0
-        if steps_left is None or steps_left <= tokens:
-            return tokens / (cost + catchup)
-        return steps_left / (catchup + steps_left * cost / tokens)
+        return _spread_rate(self.expected_tokens(k, optimism), cost, catchup, steps_left)
 
     def arms(self) -> list[int]:
         return [0, *self.budgets] if self.tree else list(range(self.k_max + 1))
@@ -392,12 +397,29 @@ class DraftLengthController:
         limit = self.k_max if limit is None else min(limit, self.k_max)
         if not self.times:
             return limit  # nothing measured yet: draft
+        tokens = self._tokens_by_length(limit, optimism)
+        catchup = self.catchup_cost(pending_slots)
         best_k, best_rate = 0, 1.0 + self.margin
         for k in self.arms():
-            rate = self.rate(k, pending_slots, steps_left, optimism) if 0 < k <= limit else None
-            if rate is not None and rate >= best_rate:
+            cost = self.cost_bound(k) if 0 < k <= limit else None
+            if cost is None:
+                continue
+            rate = _spread_rate(tokens[k], cost, catchup, steps_left)
+            if rate >= best_rate:
                 best_k, best_rate = k, rate
         return best_k
+
+    def _tokens_by_length(self, limit: int, optimism: float) -> dict[int, float]:
+        """:meth:`expected_tokens` of every draft length up to ``limit`` (chains: in one pass over the acceptances;
+        :meth:`best` asks for all of them at every pass)."""
+        if self.tree:
+            return {k: self.tree_tokens(k, optimism) for k in self.budgets if k <= limit}
+        tokens, total, p = {0: 1.0}, 1.0, 1.0
+        for k, a in enumerate(self.alphas(optimism)[:limit], start=1):
+            p *= a
+            total += p
+            tokens[k] = total
+        return tokens
 
     # ------------------------------------------------------------------ the calls the loop makes
     def choose(self, limit: int, pending_slots: int = 0, context: int | None = None) -> int:
@@ -586,6 +608,7 @@ class DraftLengthController:
         """Records the drafter's batched pass over ``slots`` verified slots it had not seen: a catch-up after plain
         steps (:meth:`update`), or its pass over a call's prompt (the loop times it alike)."""
         self.catchup.append((slots, seconds))
+        self._catchup_fit = None
         if self.widest_catchup is None or slots >= self.widest_catchup[0]:
             self.widest_catchup = (slots, seconds)
 
@@ -593,8 +616,9 @@ class DraftLengthController:
         """Adds the pass's time (catch-up included) to the time measured and, when it explored, what it cost over
         the plain steps that would have committed what it did (the call's progress: the row furthest behind)."""
         self.measured_seconds += seconds
-        step, probing, self._probing = self.step_time, self._probing, False
-        if not probing or step is None or not bool(act.any()):
+        probing, self._probing = self._probing, False
+        step = self.step_time if probing else None
+        if step is None or not bool(act.any()):
             return
         done = committed.cpu()[act].tolist()
         if ends is not None and len(done) > 1:
@@ -641,6 +665,14 @@ class DraftLengthController:
                     self.reached[d] += 1.0
                     if acc >= d:
                         self.accepted[d] += 1.0
+
+
+def _spread_rate(tokens: float, cost: float, catchup: float, steps_left: int | None) -> float:
+    """Expected tokens per plain-step time of a pass that commits ``tokens`` for ``cost`` plain steps after a
+    catch-up of ``catchup`` plain steps, spread over the ``steps_left`` in the call (:meth:`DraftLengthController.rate`)."""
+    if steps_left is None or steps_left <= tokens:
+        return tokens / (cost + catchup)
+    return steps_left / (catchup + steps_left * cost / tokens)
 
 
 class _StepSlope:

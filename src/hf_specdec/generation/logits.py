@@ -12,6 +12,8 @@ processor, a user's own included, is refused with a clear error unless it is dec
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
@@ -89,6 +91,18 @@ def _is_stateless(proc) -> bool:
     return isinstance(proc, tuple(STATELESS_PROCESSORS)) or bool(getattr(proc, "hf_specdec_stateless", False))
 
 
+def _check_arguments(processors: LogitsProcessorList) -> None:
+    """Refuses a processor that needs more than ``(input_ids, scores)``: ``generate`` passes it nothing more, and
+    ``LogitsProcessorList`` would refuse it at its first call."""
+    for processor in processors:
+        names = list(inspect.signature(processor.__call__).parameters)
+        if len(names) > 2:
+            raise ValueError(
+                f"Logits processor {type(processor).__name__} takes {names}, but processors are called with "
+                "(input_ids, scores) only; give it its other arguments when you build it."
+            )
+
+
 class ScoreProcessor:
     """Processes target or draft logits at arbitrary positions of ragged rows.
 
@@ -114,9 +128,17 @@ class ScoreProcessor:
                 "OutlinesCoreLogitsProcessor or LLGuidanceLogitsProcessor, or hf_specdec.GrammarLogitsProcessor "
                 "(xgrammar, outlines-core or llguidance states), whose grammar state hf_specdec drives itself."
             )
+        _check_arguments(self.processors)
         self.prefix_free = all(isinstance(p, _PREFIX_FREE) for p in self.processors)
         grammars = [p for p in self.processors if hasattr(p, "forced_continuations")]
         self.grammar = grammars[0] if len(grammars) == 1 else None  # forced tokens: one grammar processor only
+
+    def _apply(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        """The processors in order, as ``LogitsProcessorList`` calls them without keywords (their arguments were
+        checked once, in :func:`_check_arguments`, not at every call)."""
+        for processor in self.processors:
+            scores = processor(input_ids, scores)
+        return scores
 
     @property
     def is_identity(self) -> bool:
@@ -124,8 +146,8 @@ class ScoreProcessor:
 
     def _flat(self, seq: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
         bsz, t_len, vocab = logits.shape
-        ids = seq[:, :1].repeat_interleave(t_len, dim=0)
-        return self.processors(ids, logits.reshape(bsz * t_len, vocab)).reshape(bsz, t_len, vocab)
+        ids = seq[:, :1] if t_len == 1 else seq[:, :1].repeat_interleave(t_len, dim=0)
+        return self._apply(ids, logits.reshape(bsz * t_len, vocab)).reshape(bsz, t_len, vocab)
 
     def __call__(self, logits: torch.Tensor, seq: torch.LongTensor, prefix_len: torch.LongTensor) -> torch.Tensor:
         """Processes ``logits`` of shape ``(batch, T, vocab)`` along a chain.
@@ -145,7 +167,7 @@ class ScoreProcessor:
             match = lens == length  # (bsz, t_len): at most one position per row
             has = match.any(dim=1)
             t_idx = match.long().argmax(dim=1)
-            scores = self.processors(seq[:, :length], logits[rows, t_idx].clone())
+            scores = self._apply(seq[:, :length], logits[rows, t_idx].clone())
             out[rows[has], t_idx[has]] = scores[has]
         return out
 
@@ -182,6 +204,6 @@ class ScoreProcessor:
                 put = (cols < path_len[:, t, None].to(dev)) & (pos < length) & has[:, None]
                 if depth_max:
                     ids[rows[:, None].expand_as(pos)[put], pos[put]] = path_tokens[:, t].to(dev)[put]
-                scores = self.processors(ids, logits[:, t].clone())
+                scores = self._apply(ids, logits[:, t].clone())
                 out[has, t] = scores[has]
         return out

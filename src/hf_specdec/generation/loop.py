@@ -44,11 +44,9 @@ from .adaptive import DRAFT_LENGTH_MODES, controller_for
 from .logits import ScoreProcessor
 from .ngram import (
     COPY_THRESHOLD,
-    NGRAM_SIZES,
     CopyOutcomes,
+    NgramIndex,
     continuation_tokens,
-    lookup_continuations,
-    lookup_proposal,
     merge_lookup,
 )
 from .options import option_names, route_options
@@ -400,8 +398,10 @@ class Committer:
     """Appends tokens to each row's buffer and applies the stopping rules, like plain ``generate`` step by step.
 
     Attributes:
-        seq: ``(batch, buffer)`` left-padded prompt, committed tokens, then scratch space.
-        n_gen: ``(batch,)`` tokens generated per row.
+        seq: ``(batch, buffer)`` left-padded prompt, committed tokens, then scratch space (what lies past a row's
+            length is never read as its text).
+        room: ``(batch,)`` tokens each row may still generate (``n_gen``: those it generated).
+        lengths: ``(batch,)`` each row's end in ``seq`` (``prompt_len + n_gen``).
         finished: ``(batch,)`` rows that hit EOS, a stopping criterion or the length limit.
     """
 
@@ -414,52 +414,70 @@ class Committer:
         self.log_scores = log_scores
         self.streamer = streamer
         bsz = seq.shape[0]
-        self.n_gen = torch.zeros(bsz, dtype=torch.long, device=seq.device)
+        self.room = torch.full((bsz,), max_new, dtype=torch.long, device=seq.device)
+        self.lengths = torch.full((bsz,), prompt_len, dtype=torch.long, device=seq.device)
         self.finished = torch.zeros(bsz, dtype=torch.bool, device=seq.device)
         self.score_log: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        self._columns: dict[int, torch.Tensor] = {}  # width -> (1, width) column offsets
 
     @property
-    def lengths(self) -> torch.LongTensor:
-        return self.prompt_len + self.n_gen
+    def n_gen(self) -> torch.LongTensor:
+        return self.max_new - self.room
 
     @property
     def done(self) -> bool:
         return bool(self.finished.all())
 
     def remaining(self) -> int:
-        return int((self.max_new - self.n_gen).masked_fill(self.finished, 0).max())
+        return int(self.room.masked_fill(self.finished, 0).max())
 
     def commit(self, new_tokens: torch.Tensor, count: torch.Tensor, scores=None, raw=None) -> torch.Tensor:
         """Appends up to ``count`` tokens per unfinished row; returns how many each row took."""
-        width = new_tokens.shape[1]
-        bsz = new_tokens.shape[0]
-        count = torch.minimum(count.masked_fill(self.finished, 0), self.max_new - self.n_gen)
-        col = torch.arange(width, device=new_tokens.device)[None]
+        count = torch.minimum(count.masked_fill(self.finished, 0), self.room)
+        stop = None
         if self.eos_ids is not None:
-            is_eos = (new_tokens[..., None] == self.eos_ids).any(-1) & (col < count[:, None])
-            stop = is_eos.any(dim=1)
-            count = torch.where(stop, is_eos.long().argmax(dim=1) + 1, count)
-        else:
-            stop = torch.zeros_like(self.finished)
-        # Scatter without a data-dependent shape: rows keep their old values beyond `count`.
-        pos = (self.prompt_len + self.n_gen)[:, None] + col
-        self.seq.scatter_(1, pos, torch.where(col < count[:, None], new_tokens, self.seq.gather(1, pos)))
+            count, stop = self._cut_at_eos(new_tokens, count)
+        # Written whole, with no data-dependent shape: what lies past a row's new length is scratch.
+        self.seq.scatter_(1, self.lengths[:, None] + self.offsets(new_tokens.shape[1]), new_tokens)
         if self.other_criteria:
-            counts = count.tolist()
-            for b in range(bsz):
-                for j in range(counts[b]):
-                    prefix = self.seq[b : b + 1, : self.prompt_len + int(self.n_gen[b]) + j + 1]
-                    if any(bool(c(prefix, None).any()) for c in self.other_criteria):
-                        count[b] = j + 1
-                        stop[b] = True
-                        break
+            count, stop = self._cut_at_criteria(count, stop)
         if self.log_scores:
             self.score_log.append((self.n_gen.clone(), count.clone(), scores, raw))
         if self.streamer is not None:
             self.streamer.put(new_tokens[0, : int(count[0])].cpu())
-        self.n_gen = self.n_gen + count
-        self.finished = self.finished | stop | (self.n_gen >= self.max_new)
+        self.room = self.room - count
+        self.lengths = self.lengths + count
+        done = self.room <= 0
+        self.finished = self.finished | done if stop is None else self.finished | stop | done
         return count
+
+    def offsets(self, width: int) -> torch.Tensor:
+        """``(1, width)`` column offsets ``0 .. width - 1`` (made once per width)."""
+        if width not in self._columns:
+            self._columns[width] = torch.arange(width, device=self.seq.device)[None]
+        return self._columns[width]
+
+    def _cut_at_eos(self, new_tokens: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``count`` cut after each row's first EOS among its tokens, and the rows that committed one."""
+        is_eos = torch.isin(new_tokens, self.eos_ids)
+        if new_tokens.shape[1] == 1:  # one token: EOS stops the row (a row that takes nothing has finished)
+            return count, is_eos[:, 0]
+        through_eos = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, new_tokens.shape[1] + 1)
+        return torch.minimum(count, through_eos), through_eos <= count
+
+    def _cut_at_criteria(self, count: torch.Tensor, stop: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``count`` cut at the first token after which one of the other stopping criteria holds (checked token by
+        token on the row's text, as plain ``generate`` checks each step), and the rows that stop."""
+        stop = torch.zeros_like(self.finished) if stop is None else stop
+        counts, ends = count.tolist(), self.lengths.tolist()
+        for b in range(len(counts)):
+            for j in range(counts[b]):
+                prefix = self.seq[b : b + 1, : ends[b] + j + 1]
+                if any(bool(c(prefix, None).any()) for c in self.other_criteria):
+                    count[b] = j + 1
+                    stop[b] = True
+                    break
+        return count, stop
 
     def sequences(self, pad_value: int) -> torch.LongTensor:
         total = int(self.n_gen.max())
@@ -505,7 +523,7 @@ class LoopStats:
         self.lookup_passes = 0  # passes that verified copies or grammar-forced tokens alone (nothing drafted)
         self.forced_rows = 0  # row-passes that verified the tokens their grammar forces
         self.stats_log: dict[str, list[torch.Tensor]] = {}
-        self.forwards = torch.zeros(bsz, dtype=torch.long, device=device)
+        self.bsz = bsz
         self.t_start = self.clock()
 
     def clock(self) -> float:
@@ -522,6 +540,8 @@ class LoopStats:
         """Per-row verifier statistics of a pass; per-position ones count only the draft tokens committed."""
         for key, value in result.stats.items():
             self.stats_log.setdefault(key, []).append(value.to(finished.device).masked_fill(finished, 0))
+        if not result.token_stats:
+            return
         drafted = torch.minimum(committed, result.num_accepted.to(committed.device)).masked_fill(finished, 0)
         for key, value in result.token_stats.items():
             value = value.to(committed.device)
@@ -536,14 +556,20 @@ class LoopStats:
 
     def per_row(self):
         if not self.accept_log:
-            n = self.forwards.shape[0]
-            return [[] for _ in range(n)], [[] for _ in range(n)]
+            return [[] for _ in range(self.bsz)], [[] for _ in range(self.bsz)]
         acc = torch.stack(self.accept_log, dim=1).tolist()
         drafted = torch.stack(self.draft_log, dim=1).tolist()
         # Drop the passes after a row finished.
         accepted = [[x for x in row if x > 0] for row in acc]
         lengths = [[k for x, k in zip(row, krow) if x > 0] for row, krow in zip(acc, drafted)]
         return accepted, lengths
+
+    def forwards(self) -> torch.LongTensor:
+        """Target passes per row: the prefill, then each pass the row was still generating in (it committed at least
+        one token there)."""
+        if not self.accept_log:
+            return torch.ones(self.bsz, dtype=torch.long, device=self.device)
+        return 1 + (torch.stack(self.accept_log, dim=1) > 0).sum(dim=1)
 
     def verifier_totals(self):
         return {key: torch.stack(vals, 1).sum(1) for key, vals in self.stats_log.items()} or None
@@ -791,8 +817,10 @@ class SpeculativeDecoder:
                                              variant=variant, budgets=budgets)  # fmt: skip
             self.controller.begin_call(self.prompt_len)
         self.copy_outcomes = CopyOutcomes()  # the rows' lookup copies, scored once their text is known
+        self.ngrams: NgramIndex | None = None  # with prompt lookup, from the prefill on
         self.plain_steps = 0
         self.pending: list[DraftInputs] = []  # verified slots (and the prompt) not yet shown to the drafter
+        self.pending_slots = 0  # how many
         self.prompt_waits = False  # the prompt is among them (plain steps were winning when the call began)
         self.step_index = 0
 
@@ -825,7 +853,6 @@ class SpeculativeDecoder:
         t0 = stats.clock()
         logits, hidden = self.target.prefill(self.input_ids, self.position_ids, keep_all=drafter.requires_target_logits)
         stats.timings["prefill_s"] = stats.clock() - t0
-        stats.forwards += 1
         raw0 = logits[:, -1].to(device=self.work, dtype=torch.float32)
         scores0 = self.processor(raw0[:, None], self.seq, torch.full_like(self.committed.n_gen, self.prompt_len))[:, 0]
         if self.options.do_sample:
@@ -834,6 +861,8 @@ class SpeculativeDecoder:
             first = scores0.argmax(dim=-1)
         self.committed.commit(first[:, None], torch.ones_like(self.committed.n_gen), scores0[:, None], raw0[:, None])
         self.last_token = first
+        if self.options.lookup_tokens:  # the rows' text, indexed for prompt lookup
+            self.ngrams = NgramIndex(self.seq, self.starts, self.committed.lengths)
         t0 = stats.clock()
         self.state = drafter.init_draft_state(self.bsz, self.seq.shape[1], **self.options.draft_options)
         prompt = DraftInputs(
@@ -844,7 +873,7 @@ class SpeculativeDecoder:
             logits=logits.to(self.work) if drafter.requires_target_logits else None,
         )
         if self._prompt_can_wait():
-            self.pending.append(prompt)
+            self._wait(prompt)
             self.prompt_waits = True
         else:
             self._observe_prompt(prompt)
@@ -884,10 +913,9 @@ class SpeculativeDecoder:
             lengths = self.committed.lengths
             cols = lengths[:, None] + torch.arange(proposal.num_nodes, device=self.work)[None]
             self.seq.scatter_(1, cols, proposal.tokens)
-        drafted = proposal.node_valid().long().sum(1)
+        drafted = proposal.node_valid().sum(1) if proposal.num_nodes else self.rows.new_zeros(self.bsz)
         logits, hidden = self.target.run(self.last_token, proposal)
         t2 = self.stats.add("target_s", t1)
-        self.stats.forwards += (~self.committed.finished).long()
         verified, n, committed, finished_before = self._verify_and_commit(step, logits, hidden, drafted)
         if self.controller is not None:
             out = self.committed
@@ -896,7 +924,7 @@ class SpeculativeDecoder:
         if self.done:
             return
         self._feed_back(step, verified)
-        self.last_token = verified.next_token_ids[self.rows, n]
+        self.last_token = verified.next_token_ids.gather(1, n[:, None])[:, 0]
         t4 = self.stats.add("draft_s", t3)
         if step.k > 0:
             self.stats.timings["drafting_s"] += (t1 - step.t_start - step.catchup_s) + (t4 - t3)
@@ -917,7 +945,7 @@ class SpeculativeDecoder:
         the adaptive length, whether the rows' prompt-lookup copies go first (:meth:`_copies_first`)."""
         remaining = self.committed.remaining()
         limit = remaining - 1  # a pass never drafts past the length limit
-        pending_slots = self._pending_slots()
+        pending_slots = self.pending_slots
         if self.controller is None:  # the longest chain that fits, or the whole tree (the loop caps what it commits)
             policy = self.options.policy
             k = min(self.options.k_max, limit) if policy is None or limit <= 0 else policy.max_nodes
@@ -937,14 +965,17 @@ class SpeculativeDecoder:
         """Whether every row still generating has a token to verify in ``copy``."""
         return bool((copy.lengths > 0)[~self.committed.finished].all())
 
-    def _pending_slots(self) -> int:
-        return sum(p.next_token_ids.shape[1] for p in self.pending)
+    def _wait(self, slots: DraftInputs) -> None:
+        """Keeps verified slots (or the prompt) for the drafter's next catch-up."""
+        self.pending.append(slots)
+        self.pending_slots += slots.next_token_ids.shape[1]
 
     def _catch_up(self, verified: DraftInputs | None = None) -> None:
         """The drafter observes the slots it has not seen (then ``verified``) in one call."""
         items = self.pending + ([verified] if verified is not None else [])
         self.drafter.observe(self.state, _merge_inputs(items))
         self.pending.clear()
+        self.pending_slots = 0
         self.prompt_waits = False
 
     def _copies_first(self, step: _Pass, pending_slots: int) -> Proposal | None:
@@ -970,12 +1001,11 @@ class SpeculativeDecoder:
         opts = self.options
         if not opts.lookup_tokens or self.controller is None:
             return None
-        copy = lookup_proposal(self.seq, self.starts, self.committed.lengths, min(opts.lookup_tokens, step.limit),
-                               self.vocab, opts.do_sample, ~self.committed.finished)  # fmt: skip
-        copy = self._grammar_valid(copy)
+        active = ~self.committed.finished
+        copy = self._grammar_valid(self.ngrams.proposal(min(opts.lookup_tokens, step.limit), active))
         if copy is None or (opts.policy is not None and not self._every_row_has(copy)):
             return None  # a tree pass cannot carry a copy beside the tree: copies only where they replace it
-        self.copy_outcomes.add(copy, self.committed.lengths, ~self.committed.finished)
+        self.copy_outcomes.add(copy, self.committed.lengths, active)
         chosen = self.controller.rate(step.k, pending_slots) if step.k > 0 else 1.0
         return copy if self.controller.use_lookup(chosen or 1.0) else None
 
@@ -989,13 +1019,13 @@ class SpeculativeDecoder:
             return None
         return Proposal(tokens=copy.tokens, draft_probs=copy.draft_probs, lengths=lengths.to(copy.lengths.device))
 
-    def _grammar_valid_copies(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """With a grammar, the rows' prompt-lookup copies to merge into their chains, each cut where its grammar
-        rejects a token; ``None`` without one (``merge_lookup`` looks the copies up itself)."""
+    def _copies_to_merge(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' prompt-lookup copies to merge into their chains, each cut where its grammar (if any) rejects a
+        token."""
+        tokens, counts = self.ngrams.continuations(num_tokens)
         grammar = self.processor.grammar
         if grammar is None:
-            return None
-        tokens, counts = lookup_continuations(self.seq, self.starts, self.committed.lengths, num_tokens, NGRAM_SIZES)
+            return tokens, counts
         return tokens, grammar.valid_prefix_lengths(self.seq, self.committed.lengths, tokens, counts).to(counts.device)
 
     def _forced_tokens(self, limit: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -1054,7 +1084,7 @@ class SpeculativeDecoder:
         copies_first = step.copy is not None
         if copies_first or (opts.lookup_tokens > step.k and step.limit > step.k):
             copy_len = min(opts.lookup_tokens, step.limit)
-            copies = (step.copy.tokens, step.copy.lengths) if copies_first else self._grammar_valid_copies(copy_len)
+            copies = (step.copy.tokens, step.copy.lengths) if copies_first else self._copies_to_merge(copy_len)
             proposal, copied = merge_lookup(proposal, self.seq, self.starts, lengths, copy_len,
                                             agree=0 if copies_first else None, continuations=copies)  # fmt: skip
             self.stats.lookup_rows += int(copied.sum())
@@ -1076,8 +1106,10 @@ class SpeculativeDecoder:
         n_max = int(n.max())
         new_tokens = result.tokens[:, : n_max + 1].to(self.work)
         keep_cols, path_scores, path_raw, path_hidden = _along_path(proposal, result, n_max, scores, raw, hidden)
-        finished_before = out.finished.clone()
+        finished_before = out.finished  # commit replaces it, never changes it in place
         committed = out.commit(new_tokens, n + 1, path_scores, path_raw)  # 0 for rows already finished
+        if self.ngrams is not None:
+            self.ngrams.extend(new_tokens, committed)
         stats.log_verifier(result, committed, finished_before)
         stats.accept_log.append(committed)
         stats.draft_log.append(drafted.masked_fill(finished_before, 0))
@@ -1085,7 +1117,7 @@ class SpeculativeDecoder:
         # Rows that have finished keep no new slot (their later tokens are never used), in either cache.
         n_live = n.masked_fill(out.finished, -1)
         self.target.keep(n_live, keep_cols, proposal.num_nodes + 1)
-        offsets = torch.arange(n_max + 1, device=self.work)[None]
+        offsets = out.offsets(n_max + 1)
         n_fb = n.masked_fill(finished_before, 0)  # rows that had already finished accepted nothing
         verified = DraftInputs(
             next_token_ids=new_tokens,
@@ -1108,8 +1140,8 @@ class SpeculativeDecoder:
         batches, when it drafts again (at least every ``_MAX_PENDING_SLOTS`` slots, unless the prompt waits too: a
         call that never drafts never runs the drafter)."""
         if step.k <= 0 and self.controller is not None and self.drafter.observe_in_batches:
-            self.pending.append(verified)
-            if not self.prompt_waits and self._pending_slots() >= _MAX_PENDING_SLOTS:
+            self._wait(verified)
+            if not self.prompt_waits and self.pending_slots >= _MAX_PENDING_SLOTS:
                 self._catch_up()
         else:
             self._catch_up(verified)
@@ -1138,7 +1170,7 @@ class SpeculativeDecoder:
             accepted_lengths=accepted_lengths,
             draft_lengths=draft_lengths,
             timings=stats.timings,
-            num_target_forwards=stats.forwards.to(self.in_device),
+            num_target_forwards=stats.forwards().to(self.in_device),
             num_draft_tokens=self.options.k_max,
             verifier=self.verifier.name,
             approximate=self.verifier.approximate,

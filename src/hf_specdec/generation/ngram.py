@@ -36,9 +36,9 @@ __all__ = [
     "COPY_THRESHOLD",
     "NGRAM_SIZES",
     "CopyOutcomes",
+    "NgramIndex",
     "continuation_tokens",
     "lookup_continuations",
-    "lookup_proposal",
     "merge_lookup",
 ]
 
@@ -88,6 +88,77 @@ def lookup_continuations(
     return out.to(seq.device), counts.to(seq.device)
 
 
+class NgramIndex:
+    """Each row's committed text on the host with, per n-gram size, the position that followed the latest occurrence
+    of each n-gram: :func:`lookup_continuations` as one dictionary look-up per row and size, kept up to date token by
+    token (:meth:`extend`), instead of a scan of the whole text at every pass (on a 1,000-token prompt, the scan
+    took longer than a small target's plain step).
+
+    Args:
+        seq, starts, lengths: the rows' text so far, as :func:`lookup_continuations` reads it.
+        ngram_sizes: the n-gram sizes tried, in order (default :data:`NGRAM_SIZES`).
+    """
+
+    def __init__(self, seq: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, ngram_sizes=None):
+        self.sizes = tuple(ngram_sizes or NGRAM_SIZES)
+        self.device = seq.device
+        rows = seq.detach().cpu().tolist()
+        self.texts = [row[s:e] for row, s, e in zip(rows, starts.tolist(), lengths.tolist())]
+        self.followers: list[dict[int, dict[tuple, int]]] = [{n: {} for n in self.sizes} for _ in self.texts]
+        for b in range(len(self.texts)):
+            self._register(b, 0)
+
+    def _register(self, b: int, since: int) -> None:
+        """Records, for row ``b``, the n-grams followed by a token at position ``since`` or later (later occurrences
+        overwrite earlier ones: the latest wins)."""
+        text = self.texts[b]
+        for n, table in self.followers[b].items():
+            for t in range(max(since, n), len(text)):
+                table[tuple(text[t - n : t])] = t
+
+    def extend(self, new_tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        """Appends each row's first ``counts[b]`` of ``new_tokens[b]`` (the tokens it committed)."""
+        tokens, counts = new_tokens.tolist(), counts.tolist()
+        for b, c in enumerate(counts):
+            if c > 0:
+                start = len(self.texts[b])
+                self.texts[b].extend(tokens[b][:c])
+                self._register(b, start)
+
+    def continuations(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tokens, counts)`` as :func:`lookup_continuations` returns them for the rows' text now."""
+        return self._as_tensors([self._continuation(b, num_tokens) for b in range(len(self.texts))], num_tokens)
+
+    def proposal(self, num_tokens: int, active: torch.Tensor) -> Proposal | None:
+        """The ``active`` rows' copies as a chain of prompt-lookup copies alone (no drafter), for passes where
+        drafting does not pay but copying may (``lengths``: each row's count, 0 without a match); ``None`` when no
+        row has one. The copies are point masses (``draft_probs`` is ``None``), as the sampling verifier reads a
+        deterministic draft."""
+        found = [self._continuation(b, num_tokens) if on else [] for b, on in enumerate(active.tolist())]
+        width = max(len(cont) for cont in found)
+        if width == 0:
+            return None
+        tokens, counts = self._as_tensors(found, width)
+        return Proposal(tokens=tokens, lengths=counts)
+
+    def _as_tensors(self, found: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = [cont + [0] * (width - len(cont)) for cont in found]
+        return (
+            torch.tensor(tokens, dtype=torch.long, device=self.device).view(len(found), width),
+            torch.tensor([len(cont) for cont in found], dtype=torch.long, device=self.device),
+        )
+
+    def _continuation(self, b: int, num_tokens: int) -> list[int]:
+        text = self.texts[b]
+        for n, table in self.followers[b].items():
+            if len(text) <= n:
+                continue
+            follower = table.get(tuple(text[-n:]))
+            if follower is not None:
+                return text[follower : follower + num_tokens]
+        return []
+
+
 def continuation_tokens(
     seq: torch.Tensor,
     starts: torch.Tensor,
@@ -123,34 +194,6 @@ def continuation_tokens(
         tokens = torch.where(take, following, tokens)
         found |= take
     return tokens, found
-
-
-def lookup_proposal(
-    seq: torch.Tensor,
-    starts: torch.Tensor,
-    lengths: torch.Tensor,
-    num_tokens: int,
-    vocab_size: int,
-    do_sample: bool,
-    active: torch.Tensor | None = None,
-    ngram_sizes: tuple[int, ...] | None = None,
-) -> Proposal | None:
-    """A chain of prompt-lookup copies alone (no drafter), for passes where drafting does not pay but copying may:
-    each row proposes its continuation (``lengths`` = its length, 0 for rows without a match or not ``active``).
-    ``None`` when no row has a match. When sampling, the copies are point masses (``q`` one-hot)."""
-    if num_tokens <= 0:
-        return None
-    cont, count = lookup_continuations(seq, starts, lengths, num_tokens, ngram_sizes or NGRAM_SIZES)
-    if active is not None:
-        count = count.masked_fill(~active.to(count.device), 0)
-    width = int(count.max())
-    if width == 0:
-        return None
-    tokens = cont[:, :width]
-    probs = None
-    if do_sample:
-        probs = torch.nn.functional.one_hot(tokens, vocab_size).to(torch.float32)
-    return Proposal(tokens=tokens, draft_probs=probs, lengths=count)
 
 
 def merge_lookup(

@@ -28,6 +28,10 @@ def accepted_prefix_length(ok: torch.Tensor) -> torch.LongTensor:
     return ok.long().cumprod(dim=1).sum(dim=1)
 
 
+def _nothing_accepted(scores: torch.Tensor) -> torch.LongTensor:
+    return torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device)
+
+
 def best_tree_path(proposal: Proposal, node_ok: torch.BoolTensor, rank: torch.Tensor | None = None):
     """The deepest node whose whole root path is ``node_ok``; ties go to the highest ``rank``, then the first node.
 
@@ -88,6 +92,8 @@ class GreedyVerifier(Verifier):
         if not proposal.is_linear:
             return _tree_greedy(proposal, scores)
         target_tokens = scores.argmax(dim=-1)  # (batch, n + 1)
+        if proposal.num_nodes == 0:  # a plain step
+            return VerificationResult(num_accepted=_nothing_accepted(scores), tokens=target_tokens)
         draft = proposal.tokens.to(target_tokens.device)
         ok = (draft == target_tokens[:, :-1]) & proposal.node_valid().to(draft.device)
         n = accepted_prefix_length(ok)
@@ -125,6 +131,9 @@ class SpeculativeSamplingVerifier(Verifier):
 
     def verify(self, proposal: Proposal, scores: torch.Tensor) -> VerificationResult:
         probs = torch.softmax(scores, dim=-1)  # (batch, n + 1, vocab)
+        if proposal.num_nodes == 0:  # a plain step: the token is drawn from the target's distribution
+            tokens = torch.multinomial(probs[:, 0], 1)
+            return VerificationResult(num_accepted=_nothing_accepted(scores), tokens=tokens)
         if not proposal.is_linear:
             return self._verify_tree(proposal, probs)
         bsz, n_nodes = proposal.tokens.shape
