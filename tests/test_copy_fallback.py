@@ -10,7 +10,7 @@ from helpers import make_oracle, make_target, ragged_batch, repetitive_prompt
 from hf_specdec import AutoModelForDrafting, Eagle3Config
 from hf_specdec.generation.logits import ScoreProcessor
 from hf_specdec.generation.loop import _DraftSelector
-from hf_specdec.generation.ngram import continuation_tokens
+from hf_specdec.generation.ngram import NgramIndex
 
 
 def _reference(text: list[int], drafted: list[int], sizes=(3, 2)) -> int | None:
@@ -26,15 +26,22 @@ def _reference(text: list[int], drafted: list[int], sizes=(3, 2)) -> int | None:
     return None
 
 
+def _next_tokens(seq, starts, lengths, depth, ngram_sizes=None):
+    """The index's look-up after ``depth`` drafted tokens, read from ``seq`` past each row's text."""
+    drafted = [tuple(seq[b, lengths[b] : lengths[b] + depth].tolist()) for b in range(seq.shape[0])]
+    return NgramIndex(seq, starts, lengths, ngram_sizes=ngram_sizes).next_tokens(drafted)
+
+
 @pytest.mark.parametrize("depth", [0, 1, 3])
-def test_continuation_tokens_match_a_reference_lookup(depth):
+def test_next_tokens_match_a_reference_lookup(depth):
     gen = torch.Generator().manual_seed(depth)
     bsz, width = 6, 40
     seq = torch.randint(1, 5, (bsz, width), generator=gen)  # 4 symbols: many repeated bigrams and trigrams
     starts = torch.tensor([0, 3, 0, 7, 2, 0])
     lengths = torch.tensor([30, 25, 2, 20, 33, 12])  # row 2: too short for any match
     seq[torch.arange(width)[None] < starts[:, None]] = 0  # left padding never matches (0 is not a symbol)
-    tokens, found = continuation_tokens(seq, starts, lengths, depth)
+    tokens, found = _next_tokens(seq, starts, lengths, depth)
+    assert int(found.sum()) >= 2  # the comparison sees matches, not only empty rows
     for b in range(bsz):
         text = seq[b, starts[b] : lengths[b]].tolist()
         drafted = seq[b, lengths[b] : lengths[b] + depth].tolist()
@@ -44,17 +51,17 @@ def test_continuation_tokens_match_a_reference_lookup(depth):
             assert int(tokens[b]) == expected, (b, text, drafted)
 
 
-def test_continuation_tokens_prefer_the_longest_ngram_and_skip_padding():
+def test_next_tokens_prefer_the_longest_ngram_and_skip_padding():
     #        pad pad  9  5  6  7  8  1  6  7  2  5  6  7
     row = [9, 9, 9, 5, 6, 7, 8, 1, 6, 7, 2, 5, 6, 7]
     seq = torch.tensor([row + [0, 0]])
-    tokens, found = continuation_tokens(seq, torch.tensor([2]), torch.tensor([len(row)]), 0)
+    tokens, found = _next_tokens(seq, torch.tensor([2]), torch.tensor([len(row)]), 0)
     assert found.tolist() == [True] and tokens.tolist() == [8]  # "5 6 7" -> 8, not the later bigram "6 7" -> 2
     # Row text 1 9 9 after the pad tokens 9 9: the query "9 9" occurs earlier only inside the padding.
     padded = torch.tensor([[9, 9, 1, 9, 9, 0]])
-    _, found = continuation_tokens(padded, torch.tensor([2]), torch.tensor([5]), 0, ngram_sizes=(2,))
+    _, found = _next_tokens(padded, torch.tensor([2]), torch.tensor([5]), 0, ngram_sizes=(2,))
     assert found.tolist() == [False]
-    tokens, found = continuation_tokens(padded, torch.tensor([0]), torch.tensor([5]), 0, ngram_sizes=(2,))
+    tokens, found = _next_tokens(padded, torch.tensor([0]), torch.tensor([5]), 0, ngram_sizes=(2,))
     assert found.tolist() == [True] and tokens.tolist() == [1]  # the same columns as text: 9 9 was followed by 1
 
 
@@ -63,10 +70,10 @@ def _selector(seq, lengths, threshold, do_sample=False, vocab=12, processor=None
         processor or ScoreProcessor(None, seq.shape[0]),
         seq,
         lengths,
-        torch.zeros_like(lengths),
         do_sample,
         vocab,
         threshold,
+        NgramIndex(seq, torch.zeros_like(lengths), lengths),
     )
 
 
@@ -78,12 +85,15 @@ def test_selector_copies_where_the_drafter_is_unsure_and_keeps_its_token_elsewhe
     logits[0, 9] = 8.0  # row 0: sure of 9
     logits[1, 9] = 0.5  # row 1: unsure (top probability about 0.14)
     logits[2, 9] = 0.5  # row 2: unsure, but its text has no repeated n-gram
-    tokens, probs = _selector(seq, lengths, 0.7)(logits, 0)
+    select = _selector(seq, lengths, 0.7)
+    tokens, probs = select(logits, 0)
     assert tokens.tolist() == [9, 4, 9] and probs is None
-    assert seq[:, 7].tolist() == [9, 4, 9]  # written after the text: the next depth's query reads it
     # Depth 1: rows 0 and 1 now end in "3 9" / "3 4"; "3 4" occurred before (followed by 5), "3 9" did not.
-    tokens, _ = _selector(seq, lengths, 0.7)(torch.zeros(3, 12), 1)
-    assert tokens.tolist()[1] == 5
+    tokens, _ = select(torch.zeros(3, 12), 1)
+    assert tokens.tolist()[1] == 5 and tokens.tolist()[0] != 5
+    # A new chain starts again from the committed text: depth 0 forgets the tokens drafted before.
+    tokens, _ = select(torch.zeros(3, 12), 0)
+    assert tokens.tolist()[:2] == [4, 4]
     off, _ = _selector(seq, lengths, 0.0)(logits, 0)
     assert off.tolist() == [9, 9, 9]
 
@@ -193,7 +203,7 @@ def test_sampling_stays_lossless_with_copies_everywhere(monkeypatch):
 
     from hf_specdec.generation import loop, ngram
 
-    monkeypatch.setattr(ngram.continuation_tokens, "__defaults__", ((1,),))  # unigram matches: copies nearly always
+    monkeypatch.setattr(ngram, "NGRAM_SIZES", (1,))  # unigram matches: copies nearly always
     copied = []
     original = loop._DraftSelector._copy_where_unsure
 

@@ -46,7 +46,6 @@ from .ngram import (
     COPY_THRESHOLD,
     CopyOutcomes,
     NgramIndex,
-    continuation_tokens,
     merge_lookup,
 )
 from .options import option_names, route_options
@@ -63,26 +62,27 @@ class _DraftSelector:
 
     With ``copy_threshold`` > 0, a draft position where the drafter's top probability is at most that drafts the token
     that followed the latest earlier occurrence of the text's last 2-3 tokens instead, where there is one
-    (:func:`~hf_specdec.generation.ngram.continuation_tokens`; the drafted tokens count as text). The choice is a
-    function of the text and the drafter's distribution, so a copied token enters the verifier as a point mass
-    (``q`` one-hot) and sampling stays lossless."""
+    (:meth:`~hf_specdec.generation.ngram.NgramIndex.next_tokens` over the rows' committed text; the tokens drafted
+    before it count as text). The choice is a function of the text and the drafter's distribution, so a copied token
+    enters the verifier as a point mass (``q`` one-hot) and sampling stays lossless."""
 
-    def __init__(self, processor: ScoreProcessor, seq: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor,
-                 do_sample: bool, vocab_size: int, copy_threshold: float = 0.0):  # fmt: skip
+    def __init__(self, processor: ScoreProcessor, seq: torch.Tensor, lengths: torch.Tensor, do_sample: bool,
+                 vocab_size: int, copy_threshold: float = 0.0, ngrams: NgramIndex | None = None):  # fmt: skip
         self.processor = processor
         self.vocab_size = vocab_size
         self.seq = seq
         self.lengths = lengths  # committed length (prompt + generated) per row
-        self.starts = starts  # first real column per row (after left padding)
         self.do_sample = do_sample
         self.copy_threshold = copy_threshold
+        self.ngrams = ngrams  # the rows' committed text (with copy_threshold > 0)
+        self._drafted: list[list[int]] = []  # per depth of the chain being drafted, the rows' tokens
 
     def __call__(self, logits: torch.Tensor, depth: int, vocab_ids: torch.LongTensor | None = None):
         tokens, probs, scores = self._select(logits.to(self.seq.device, torch.float32), depth, vocab_ids)
         if self.copy_threshold > 0:
             tokens, probs = self._copy_where_unsure(tokens, probs, scores, depth)
-        if self.copy_threshold > 0 or not self.processor.is_identity:
-            # Later draft positions see this token in their n-gram query and their processors' prefix.
+        if not self.processor.is_identity:
+            # Later draft positions see this token in their processors' prefix.
             rows = torch.arange(tokens.shape[0], device=self.seq.device)
             self.seq[rows, self.lengths + depth] = tokens
         return tokens, probs
@@ -109,12 +109,14 @@ class _DraftSelector:
     def _copy_where_unsure(self, tokens, probs, scores, depth: int):
         """The rows whose drafter is unsure (top probability at most ``copy_threshold``) and whose text has an n-gram
         continuation draft that token instead, as a point mass."""
-        copy, found = continuation_tokens(self.seq, self.starts, self.lengths, depth)
+        del self._drafted[depth:]  # a new chain starts at depth 0
+        copy, found = self.ngrams.next_tokens(list(zip(*self._drafted)) or [()] * tokens.shape[0])
         top = (probs if probs is not None else torch.softmax(scores, dim=-1)).amax(dim=-1)  # sampling: q is known
         use = found & (top <= self.copy_threshold)
         if scores.shape[-1] == self.vocab_size:  # a copy the processors rule out would only be rejected
             use &= scores.gather(1, copy[:, None])[:, 0] > float("-inf")
         tokens = torch.where(use, copy, tokens)
+        self._drafted.append(tokens.tolist())
         if probs is not None:
             point = torch.nn.functional.one_hot(copy, probs.shape[-1]).to(probs.dtype)
             probs = torch.where(use[:, None], point, probs)
@@ -817,7 +819,7 @@ class SpeculativeDecoder:
                                              variant=variant, budgets=budgets)  # fmt: skip
             self.controller.begin_call(self.prompt_len)
         self.copy_outcomes = CopyOutcomes()  # the rows' lookup copies, scored once their text is known
-        self.ngrams: NgramIndex | None = None  # with prompt lookup, from the prefill on
+        self.ngrams: NgramIndex | None = None  # with prompt lookup or copies, from the prefill on
         self.plain_steps = 0
         self.pending: list[DraftInputs] = []  # verified slots (and the prompt) not yet shown to the drafter
         self.pending_slots = 0  # how many
@@ -861,7 +863,7 @@ class SpeculativeDecoder:
             first = scores0.argmax(dim=-1)
         self.committed.commit(first[:, None], torch.ones_like(self.committed.n_gen), scores0[:, None], raw0[:, None])
         self.last_token = first
-        if self.options.lookup_tokens:  # the rows' text, indexed for prompt lookup
+        if self.options.lookup_tokens or self.options.copy_threshold > 0:  # the rows' text, indexed for copies
             self.ngrams = NgramIndex(self.seq, self.starts, self.committed.lengths)
         t0 = stats.clock()
         self.state = drafter.init_draft_state(self.bsz, self.seq.shape[1], **self.options.draft_options)
@@ -879,8 +881,8 @@ class SpeculativeDecoder:
             self._observe_prompt(prompt)
         stats.add("draft_s", t0)
         self.vocab = raw0.shape[-1]
-        self.selector = _DraftSelector(self.processor, self.seq, self.committed.lengths, self.starts,
-                                       self.options.do_sample, self.vocab, self.options.copy_threshold)  # fmt: skip
+        self.selector = _DraftSelector(self.processor, self.seq, self.committed.lengths, self.options.do_sample,
+                                       self.vocab, self.options.copy_threshold, self.ngrams)  # fmt: skip
 
     def _observe_prompt(self, prompt: DraftInputs) -> None:
         """The drafter's pass over the prompt, now; for a drafter that observes in batches, timed as a catch-up over

@@ -14,12 +14,16 @@ drafter's chain.
 Lossless sampling holds: the copied tokens are a deterministic function of the text before them, so they enter the
 verifier as point masses (``q = one-hot``), and the decision to copy depends only on tokens already drawn.
 
-:func:`continuation_tokens` copies one position at a time, inside the chain: at each draft position where the
+:meth:`NgramIndex.next_tokens` copies one position at a time, inside the chain: at each draft position where the
 drafter's top probability is at most ``copy_threshold`` (:data:`COPY_THRESHOLD` by default where prompt lookup is on),
 a row drafts the token that followed the latest earlier occurrence of its last 3 (else 2) tokens, drafted ones
-included, and the drafter goes on from that token. A copy that :func:`merge_lookup` would take only when the drafter already agrees with it, and that
-follows one occurrence to its end, is taken here token by token wherever the drafter does not know better, and
-finds a new occurrence at every position. Used by the loop's draft selector for every chain drafter.
+included, and the drafter goes on from that token. A copy that :func:`merge_lookup` would take only when the drafter
+already agrees with it, and that follows one occurrence to its end, is taken here token by token wherever the drafter
+does not know better, and finds a new occurrence at every position. Used by the loop's draft selector for every chain
+drafter.
+
+The loop keeps the rows' text in a :class:`NgramIndex` (extended with each pass's committed tokens), which answers
+both look-ups from dictionaries; :func:`lookup_continuations` is the same look-up as a scan of the text.
 """
 
 from __future__ import annotations
@@ -37,7 +41,6 @@ __all__ = [
     "NGRAM_SIZES",
     "CopyOutcomes",
     "NgramIndex",
-    "continuation_tokens",
     "lookup_continuations",
     "merge_lookup",
 ]
@@ -148,6 +151,27 @@ class NgramIndex:
             torch.tensor([len(cont) for cont in found], dtype=torch.long, device=self.device),
         )
 
+    def next_tokens(self, drafted: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, the token that followed the latest occurrence, in its committed text, of the last n tokens of
+        that text followed by ``drafted[b]`` (the tokens drafted after it so far; largest n first): ``(tokens,
+        found)``, ``(batch,)`` the tokens (0 where none) and whether each row has one."""
+        found = [self._next_token(b, drafted[b]) for b in range(len(self.texts))]
+        return (
+            torch.tensor([t if t is not None else 0 for t in found], dtype=torch.long, device=self.device),
+            torch.tensor([t is not None for t in found], dtype=torch.bool, device=self.device),
+        )
+
+    def _next_token(self, b: int, drafted: tuple[int, ...]) -> int | None:
+        text = self.texts[b]
+        tail = text[-max(self.sizes) :] + list(drafted)
+        for n, table in self.followers[b].items():
+            if len(text) + len(drafted) < n:
+                continue
+            follower = table.get(tuple(tail[-n:]))
+            if follower is not None:
+                return text[follower]
+        return None
+
     def _continuation(self, b: int, num_tokens: int) -> list[int]:
         text = self.texts[b]
         for n, table in self.followers[b].items():
@@ -157,43 +181,6 @@ class NgramIndex:
             if follower is not None:
                 return text[follower : follower + num_tokens]
         return []
-
-
-def continuation_tokens(
-    seq: torch.Tensor,
-    starts: torch.Tensor,
-    lengths: torch.Tensor,
-    depth: int,
-    ngram_sizes: tuple[int, ...] = NGRAM_SIZES,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the token that followed the latest earlier occurrence of the row's last n tokens (largest n first),
-    where the row's text is its committed text ``seq[b, starts[b]:lengths[b]]`` followed by the ``depth`` tokens
-    drafted after it so far (written to ``seq`` from column ``lengths[b]`` on). The occurrence and the token after it
-    lie in the committed text. Tensor operations over the whole buffer, no host copy (a draft step on an accelerator
-    does not wait for it).
-
-    Returns:
-        ``(tokens, found)``: ``(batch,)`` the continuation tokens (0 where none) and whether each row has one.
-    """
-    bsz, width = seq.shape
-    device = seq.device
-    end = lengths.to(device) + depth  # the row's text ends before column `end`
-    starts = starts.to(device)
-    tokens = torch.zeros(bsz, dtype=seq.dtype, device=device)
-    found = torch.zeros(bsz, dtype=torch.bool, device=device)
-    for n in ngram_sizes:
-        if width <= n:
-            continue
-        query = seq.gather(1, (end[:, None] - n + torch.arange(n, device=device)[None]).clamp_min(0))
-        match = (seq.unfold(1, n, 1) == query[:, None, :]).all(dim=-1)  # window w covers columns w .. w + n - 1
-        w = torch.arange(width - n + 1, device=device)[None]
-        usable = match & (w >= starts[:, None]) & (w + n < lengths.to(device)[:, None])  # its next token committed
-        latest = torch.where(usable, w, -1).amax(dim=1)
-        take = (latest >= 0) & (end - n >= starts) & ~found
-        following = seq.gather(1, (latest + n).clamp(0, width - 1)[:, None])[:, 0]
-        tokens = torch.where(take, following, tokens)
-        found |= take
-    return tokens, found
 
 
 def merge_lookup(
