@@ -444,7 +444,7 @@ class Committer:
         if self.other_criteria:
             count, stop = self._cut_at_criteria(count, stop)
         if self.log_scores:
-            self.score_log.append((self.n_gen.clone(), count.clone(), scores, raw))
+            self.score_log.append((self.n_gen, count.clone(), scores, raw))
         if self.streamer is not None:
             self.streamer.put(new_tokens[0, : int(count[0])].cpu())
         self.room = self.room - count
