@@ -73,20 +73,20 @@ the hardware pays for: the largest where a wider pass costs next to nothing more
 batch 1), a smaller one where it does not (on SmolLM2 on a 2-core CPU a pass over 17 tokens costs 1.5–2.3 plain
 steps). A size not measured yet is priced between the measured ones around it (:meth:`cost_bound`).
 
-Prompt lookup gets its own chance before the drafter: when some row's last n-gram occurred before, the pass can
-verify the copied continuations (:meth:`hf_specdec.generation.ngram.NgramIndex.proposal`) instead of a plain step
-or the chosen draft, without drafting when every row has a copy (rows without one draft their chain; a tree pass gives
-way only where every row has one). The drafter fails most where the target copies from its prompt (summaries quoting the article, answers quoting passages), and that is
-where a copy holds. Lookup passes' tokens per pass and pass time are measured separately
-(:meth:`DraftLengthController.use_lookup`): copies go first while they commit more tokens per second than the chosen
-length is expected to (by ``margin``), and are tried once when nothing is known. What a copy commits is learnt from
-every match, verified or not (:class:`hf_specdec.generation.ngram.CopyOutcomes` scores each copy against the text
+Prompt lookup gets its own chance before the drafter: when some row's last n-gram occurred before, the pass can verify
+the copied continuations (:meth:`hf_specdec.generation.ngram.NgramIndex.proposal`) instead of a plain step or the chosen
+draft, without drafting when every row has a copy (rows without one draft their chain; a tree pass gives way only where
+every row has one). The drafter fails most where the target copies from its prompt (summaries quoting the article,
+answers quoting passages), and that is where a copy holds. Lookup passes' tokens per pass and pass time are measured
+separately (:meth:`DraftLengthController.use_lookup`): copies go first while they commit more tokens per second than the
+chosen length is expected to (by ``margin``), and are tried once when nothing is known. What a copy commits is learnt
+from every match, verified or not (:class:`hf_specdec.generation.ngram.CopyOutcomes` scores each copy against the text
 once it is known, as a pass that verified every copy would have committed it; in a batch, rows without a copy count
-their one token), so a passage that turns repetitive is noticed at its first matches; only the cost of a lookup
-pass needs lookup passes, and it is re-measured at gaps that start at ``probe_every`` matches while copies lose.
-What copies commit depends on the text (a passage quoted in one prompt says nothing about the next), so each call
-learns it again from its own matches, starting from the earlier calls' estimate weighed as ``copy_prior`` matches;
-what a lookup pass costs is the machine's, and carries over.
+their one token), so a passage that turns repetitive is noticed at its first matches; only the cost of a lookup pass
+needs lookup passes, and it is re-measured at gaps that start at ``probe_every`` matches while copies lose. What copies
+commit depends on the text (a passage quoted in one prompt says nothing about the next), so each call learns it again
+from its own matches, starting from the earlier calls' estimate weighed as ``copy_prior`` matches; what a lookup pass
+costs is the machine's, and carries over.
 
 The choice never changes *what* is generated: greedy output stays identical to plain decoding, and sampling stays
 lossless. Because the choice depends on wall-clock measurements, a sampled output for a fixed seed is not
@@ -669,7 +669,8 @@ class DraftLengthController:
 
 def _spread_rate(tokens: float, cost: float, catchup: float, steps_left: int | None) -> float:
     """Expected tokens per plain-step time of a pass that commits ``tokens`` for ``cost`` plain steps after a
-    catch-up of ``catchup`` plain steps, spread over the ``steps_left`` in the call (:meth:`DraftLengthController.rate`)."""
+    catch-up of ``catchup`` plain steps, spread over the ``steps_left`` in the call
+    (:meth:`DraftLengthController.rate`)."""
     if steps_left is None or steps_left <= tokens:
         return tokens / (cost + catchup)
     return steps_left / (catchup + steps_left * cost / tokens)
