@@ -234,11 +234,8 @@ class DraftLengthController:
             return 1.0
         if self.tree:
             return self.tree_tokens(k, optimism)
-        total, p = 1.0, 1.0
-        for a in self.alphas(optimism)[:k]:
-            p *= a
-            total += p
-        return total
+        k = min(k, self.k_max)
+        return self._tokens_by_length(k, optimism)[k]
 
     def tree_tokens(self, nodes: int | None = None, optimism: float = 0.0) -> float:
         """Tokens per row a tree of ``nodes`` nodes (one of :attr:`budgets`; default the largest) commits: one, plus
