@@ -4,7 +4,8 @@
 Every ``--drafter`` folder whose name ends in ``-no-hopeful`` runs with ``probe_optimism=0`` (probes of the
 neighbouring length at doubling gaps only, the controller before the hopeful probes); the others with the default.
 All other arguments go to ``hf-specdec bench`` unchanged, so plain decoding and both controllers are interleaved in
-the same repeats. Copy the drafter into two folders first, e.g.::
+the same repeats (``scripts/bench_controller_variants.py --variant -no-hopeful probe_optimism=0``). Copy the drafter
+into two folders first, e.g.::
 
     cp -r src/hf_specdec/assets/smollm2-drafter runs/ab/smollm2-hopeful
     cp -r src/hf_specdec/assets/smollm2-drafter runs/ab/smollm2-no-hopeful
@@ -15,25 +16,11 @@ the same repeats. Copy the drafter into two folders first, e.g.::
 
 from __future__ import annotations
 
+import os
 import sys
 
-from hf_specdec.commands import main as hf_specdec_main
-from hf_specdec.generation import loop
-
-
-def controller_without_hopeful_probes_for(marked: str = "-no-hopeful"):
-    """A ``controller_for`` that turns the hopeful probes off for drafters loaded from a folder ending in ``marked``."""
-    controller_for = loop.controller_for
-
-    def wrapped(drafter, *args, **kwargs):
-        controller = controller_for(drafter, *args, **kwargs)
-        if str(getattr(drafter, "name_or_path", "")).rstrip("/").endswith(marked):
-            controller.probe_optimism = 0.0
-        return controller
-
-    return wrapped
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_controller_variants import main  # noqa: E402
 
 if __name__ == "__main__":
-    loop.controller_for = controller_without_hopeful_probes_for()
-    sys.exit(hf_specdec_main(["bench", *sys.argv[1:]]))
+    sys.exit(main(["--variant", "-no-hopeful", "probe_optimism=0", *sys.argv[1:]]))

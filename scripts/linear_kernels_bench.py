@@ -10,6 +10,9 @@ plain row, which greedy outputs are checked against, and the drafter again), eve
 against the stock plain ``generate``. The packed plain row shows what packing does to plain decoding itself; the
 packed drafter row over it is the drafter's own speedup, what ``demo`` and ``bench`` report.
 
+``--rows measured all`` adds a copy packed for every call over 1-64 rows (as before the packing measured where it
+pays) beside the default one, which packs only the row counts where this machine measured the packed kernel faster.
+
 (The files from before the oneDNN packing, ``{smollm2,demo-code}-linear-kernels``, packed the weights for MKL and
 computed one-token steps with the stock kernel.)
 
@@ -34,23 +37,35 @@ sys.path.insert(0, os.path.dirname(__file__))
 from results_files import demo_bench_args, demo_bench_prompts, write_bench_report  # noqa: E402
 
 
-def methods(target_copy, drafter_path: str):
-    """Plain and the drafter on the stock target, then a plain row and the drafter on the packed copy."""
+def methods(copies: dict, drafter_path: str):
+    """Plain and the drafter on the stock target, then for each packed copy (``{name: model}``) a plain row and the
+    drafter on it."""
     from hf_specdec import AutoModelForDrafting
     from hf_specdec.bench.runner import drafter_method, plain_method
 
     def drafter():
         return AutoModelForDrafting.from_pretrained(drafter_path).eval()
 
-    packed_plain = plain_method(name="plain, packed target", target=target_copy)
-    packed = drafter_method(drafter(), name="drafter, packed target")
-    packed.target, packed.reference = target_copy, packed_plain.name
-    return [plain_method(), drafter_method(drafter(), name="drafter, stock target"), packed_plain, packed]
+    rows = [plain_method(), drafter_method(drafter(), name="drafter, stock target")]
+    for name, target_copy in copies.items():
+        packed_plain = plain_method(name=f"plain, {name} target", target=target_copy)
+        packed = drafter_method(drafter(), name=f"drafter, {name} target")
+        packed.target, packed.reference = target_copy, packed_plain.name
+        rows += [packed_plain, packed]
+    return rows
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     demo_bench_args(p, "linear-kernels")
+    p.add_argument(
+        "--rows",
+        nargs="+",
+        default=["measured"],
+        choices=["measured", "all"],
+        help="the packed copies' row plans (pack_linear_weights(rows=...)), one copy each: measured (the default, "
+        "the calls over the row counts this machine measured the packed kernel faster at) / all (every call)",
+    )
     args = p.parse_args(argv)
 
     from hf_specdec import pack_linear_weights
@@ -60,20 +75,25 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     spec = get_demo_target(args.target)
     target, tokenizer = spec.load(dtype="float32")
-    target_copy, _ = spec.load(dtype="float32")
-    packed = pack_linear_weights(target_copy)
+    copies, plans = {}, {}
+    for rows in args.rows:
+        name = "packed" if rows == "measured" else f"packed ({rows} rows)"
+        copies[name] = spec.load(dtype="float32")[0]
+        plans[name] = pack_linear_weights(copies[name], rows=rows).row_plans()
     prompts = demo_bench_prompts(spec, args.max_prompts)
     report = run_benchmark(
         target,
         tokenizer,
-        methods(target_copy, demo_drafter_path(spec)),
+        methods(copies, demo_drafter_path(spec)),
         prompts,
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         linear_kernels="stock",
         config={
             "target": spec.title,
-            "packed_copy": f"a second copy of the target with pack_linear_weights ({len(packed)} layers)",
+            "packed_copies": {
+                name: f"a copy of the target, pack_linear_weights rows per shape {plan}" for name, plan in plans.items()
+            },  # fmt: skip
             "command": "python scripts/linear_kernels_bench.py " + shlex.join(sys.argv[1:] if argv is None else argv),
         },
     )

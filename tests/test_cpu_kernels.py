@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from helpers import make_oracle, make_target, ragged_batch
 
 from hf_specdec import AutoModelForDrafting, Eagle3Config, cpu_kernels, pack_draft_weights, pack_linear_weights
+from hf_specdec.cpu_kernels import _packed_is_faster as timed_packed_is_faster
 from hf_specdec.cpu_kernels import draft_kernels_for, linear_kernels_for
 
 needs_bf16 = pytest.mark.skipif(
@@ -310,3 +311,85 @@ def test_the_grouped_query_switch_counts_its_users_and_keeps_a_users_value(monke
     target.config._attn_implementation = "sdpa"
     target.config.num_key_value_heads = target.config.num_attention_heads  # no grouped heads: nothing to copy
     assert not cpu_kernels.grouped_query_sdpa_applies(target)
+
+
+def _stock_faster_below(monkeypatch, rows: int) -> list:
+    """Timings (replacing the conftest's) that find the packed kernel faster from ``rows`` rows on; returns the
+    row counts measured."""
+    measured = []
+
+    def faster(state, bias, probe, repeats):
+        measured.append(probe)
+        return probe >= rows
+
+    monkeypatch.setattr(cpu_kernels, "_PLANS", {})
+    monkeypatch.setattr(cpu_kernels, "_packed_is_faster", faster)
+    return measured
+
+
+def test_a_measured_plan_packs_only_the_row_counts_where_the_packed_kernel_was_faster(packed_calls, monkeypatch):
+    """On an Intel Xeon VM without native bf16 the packed fp32 kernel took twice the stock one over a row, and a
+    target packed for every call decoded plainly 1.5 times slower: a call goes to the packed kernel only at the row
+    counts where it was measured faster, the others to F.linear, bit for bit."""
+    measured = _stock_faster_below(monkeypatch, 4)
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(48, 80), torch.nn.Linear(48, 80)]
+    with pack_linear_weights(torch.nn.Sequential(*layers), max_rows=16) as packed, torch.no_grad():
+        assert measured == [1, 2, 3, 4, 6, 8, 16]  # once for both layers of this shape, up to max_rows
+        assert len(packed) == 2 and packed.row_plans() == {"80x48": "4-16"}
+        for rows in (1, 2, 3, 4, 5, 16, 17):
+            x = torch.randn(rows, 48)
+            before = len(packed_calls)
+            out = layers[0](x)
+            if 4 <= rows <= 16:
+                assert packed_calls[before:] == [rows]
+                torch.testing.assert_close(out, F.linear(x, layers[0].weight, layers[0].bias))
+            else:
+                assert len(packed_calls) == before and torch.equal(out, F.linear(x, layers[0].weight, layers[0].bias))
+    with pytest.raises(ValueError, match="rows must be one of measured, all"):
+        pack_linear_weights(layers[0], rows="some")
+
+
+def test_a_layer_whose_packed_kernel_is_never_faster_keeps_its_stock_forward(monkeypatch):
+    _stock_faster_below(monkeypatch, 10**9)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    with pack_linear_weights(model) as packed:
+        assert len(packed) == 0 and packed.row_plans() == {}
+        assert all("forward" not in m.__dict__ and not hasattr(m, "_hf_specdec_packed") for m in model)
+    with pack_linear_weights(model, rows="all") as packed:  # asked for every call: packed all the same
+        assert len(packed) == 2 and packed.row_plans() == {"8x8": "1-64", "4x8": "1-64"}
+
+
+@needs_bf16
+def test_int8_draft_weights_serve_the_rows_they_were_measured_faster_at(packed_calls, int8_calls, monkeypatch):
+    """Measured on a CPU without native bf16: the int8 kernel faster over one row, the bf16 one slower than the stock
+    fp32 layer over more (4-5 times over a prompt's rows there): one-row draft steps read int8 weights, every
+    other call is the fp32 layer's own."""
+    monkeypatch.setattr(cpu_kernels, "_PLANS", {})
+    monkeypatch.setattr(cpu_kernels, "_packed_is_faster", lambda state, bias, rows, repeats: rows == 1)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80)
+    with pack_draft_weights(layer, weights="int8") as packed, torch.no_grad():
+        assert packed.row_plans() == {"80x48": "1"}
+        for rows in (1, 2, 7, 300):
+            x = torch.randn(rows, 48)
+            before = (len(int8_calls), len(packed_calls))
+            out = layer(x)
+            assert (len(int8_calls) - before[0], len(packed_calls) - before[1]) == ((1, 0) if rows == 1 else (0, 0))
+            if rows > 1:
+                assert torch.equal(out, F.linear(x, layer.weight, layer.bias))
+
+
+def test_the_timing_behind_a_plan_compares_the_two_kernels_on_this_machine(monkeypatch):
+    import time
+
+    layer = torch.nn.Linear(16, 16)
+    with pack_linear_weights(layer, rows="all"):
+        state = layer._hf_specdec_packed
+        real_compute = state.compute
+        monkeypatch.setattr(state, "compute", lambda x, bias: time.sleep(0.002) or real_compute(x, bias))
+        assert not timed_packed_is_faster(state, layer.bias, 4, repeats=2)  # the packed call is the slow one
+        monkeypatch.setattr(state, "compute", real_compute)
+        stock = F.linear
+        monkeypatch.setattr(F, "linear", lambda *args: time.sleep(0.002) or stock(*args))
+        assert timed_packed_is_faster(state, layer.bias, 4, repeats=2)  # now the stock one is

@@ -21,6 +21,17 @@ a packed target is token-identical to plain decoding on the same packed target (
 
 The packed copies take as much memory as the weights they copy (a tied embedding / LM head is copied once).
 
+Which kernel is faster depends on the CPU, so by default (``rows="measured"``) a packed copy computes only the calls
+whose row counts it was measured faster at on this machine (:func:`measured_row_plan`: each layer shape timed once at
+a few row counts, against the stock kernel, when the model is packed); the other calls run the stock ``F.linear``,
+and a layer that is never faster keeps its stock forward. The kernels were chosen on AMD EPYC VMs with native bf16
+(``avx512_bf16``). On an Intel Xeon VM without it, at two threads, the packed fp32 kernel took 1.1-6.9 times the stock
+one over one row and 0.2-1.0 times it over 6-16 rows; the bf16 weights took 3.7-4.5 times the stock layer over a
+prompt's 1,024 rows, and the int8 ones over one row 0.55-2.7 times it, faster only on the wider layers
+(``scripts/kernel_rows_bench.py``, ``model_cards/results/kernel-rows-intel-t2.md``). A target packed for every call
+(``rows="all"``, what this module did before) decoded plainly at 0.66 of the stock speed there
+(``model_cards/results/smollm2-linear-kernels-measured-t2.md``).
+
 :func:`pack_draft_weights` does the same for a drafter, with cheaper weights: its linear layers compute with bf16
 weights packed for oneDNN, over any number of rows, and optionally with int8 weights for the one-row calls of draft
 steps. A drafter's precision decides only how often its tokens are accepted, never the output, and a one-token draft
@@ -40,11 +51,13 @@ the same attention.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import os
 import sys
 import threading
+import time
 import types
 
 import torch
@@ -54,6 +67,10 @@ DEFAULT_MAX_ROWS = 64
 PACKING_ROWS_HINT = 6  # the rows oneDNN lays the packed weight out for; level from 1 to 64 rows
 INT8_MAX_ROWS = 2  # calls over more rows cost less with bf16 weights than with the one-row int8 kernel
 MIN_KERNEL_ROWS = 3  # fewer rows are padded to this many: oneDNN's kernel for 2 rows costs about 1.2 of its 3-row one
+# The row counts at which a packed kernel is timed against the stock one (rows="measured"); a call follows what was
+# measured at the largest of them not above its own rows.
+ROW_PROBES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 256)
+ROW_PLANS = ("measured", "all")
 
 
 def packed_linears_supported() -> bool:
@@ -97,6 +114,7 @@ class _PackedWeight:
         self.dtype = dtype
         # oneDNN's fp32 kernels for one and two rows are slower than its three-row one; its bf16 ones are not
         self.min_rows = MIN_KERNEL_ROWS if dtype == torch.float32 else 1
+        self.plan: frozenset[int] | None = None  # the ROW_PROBES whose calls it computes (None: every call)
         with torch.no_grad():
             self.packed = self._packed_copy(weight.detach())
 
@@ -128,14 +146,15 @@ class _PackedWeight:
         return F.linear(*[None if t is None else t.to(self.dtype).float() for t in (x, self.weight, bias)])
 
     def serves(self, weight: torch.Tensor, x: torch.Tensor) -> bool:
-        """Whether the packed copy may compute this call: 1 to ``max_rows`` rows of an fp32 CPU input, the same
-        weight, unchanged (not written in place, its ``.data`` not swapped, not moved off the CPU), no gradients or
-        autocast wanted."""
+        """Whether the packed copy may compute this call: 1 to ``max_rows`` rows of an fp32 CPU input, rows its
+        :attr:`plan` serves, the same weight, unchanged (not written in place, its ``.data`` not swapped, not moved
+        off the CPU), no gradients or autocast wanted."""
         width = x.shape[-1] if x.dim() else 0
+        rows = x.numel() // width if width else 0
+        if not 1 <= rows <= self.max_rows or (self.plan is not None and _probe_of(rows) not in self.plan):
+            return False  # the common refusal first: a plain step's one-row calls where the stock kernel is faster
         return (
             weight is self.weight
-            and width > 0
-            and 1 <= x.numel() // width <= self.max_rows
             and weight._version == self.version
             and weight.data_ptr() == self.storage
             and x.dtype == torch.float32
@@ -186,6 +205,16 @@ class PackedLinears:
     def __len__(self) -> int:
         return len(self.modules)
 
+    def row_plans(self) -> dict[str, str]:
+        """Per weight shape (``"out x in"``), the rows of the calls its packed kernel computes (``"6-64"``,
+        ``"none"``, ``"1-64"``; the rest run ``F.linear``), as measured (:func:`measured_row_plan`) or asked."""
+        plans = {}
+        for module in self.modules:
+            state = module._hf_specdec_packed
+            out_features, in_features = state.weight.shape
+            plans[f"{out_features}x{in_features}"] = _rows_text(state.plan, state.max_rows)
+        return plans
+
     def restore(self) -> None:
         for module in self.modules:
             module.__dict__.pop("forward", None)
@@ -199,8 +228,12 @@ class PackedLinears:
         self.restore()
 
 
-def pack_linear_weights(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> PackedLinears:
-    """Compute ``model``'s fp32 CPU ``nn.Linear`` layers over 1 to ``max_rows`` rows with pre-packed oneDNN weights.
+def pack_linear_weights(
+    model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS, rows: str = "measured"
+) -> PackedLinears:
+    """Compute ``model``'s fp32 CPU ``nn.Linear`` layers over 1 to ``max_rows`` rows with pre-packed oneDNN weights:
+    ``rows="measured"`` (default) only the row counts at which this machine measured the packed kernel faster than
+    the stock one (:func:`measured_row_plan`), ``"all"`` every call.
 
     Layers that are not plain ``nn.Linear`` (quantized or adapter layers; a PEFT LoRA layer's base layer is packed),
     not fp32, not on the CPU, or whose forward accelerate or someone else already replaced are left alone. Use it on
@@ -222,21 +255,23 @@ def pack_linear_weights(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS
     if int(max_rows) < 1:
         raise ValueError(f"max_rows must be at least 1, got {max_rows}.")
     max_rows = int(max_rows)
-    return _pack([m for m in model.modules() if _packable(m)], lambda weight: _PackedWeight(weight, max_rows))
+    return _pack([m for m in model.modules() if _packable(m)], lambda weight: _PackedWeight(weight, max_rows), rows)
 
 
 def pack_draft_weights(
-    drafter: torch.nn.Module, target: torch.nn.Module | None = None, weights: str = "bf16"
+    drafter: torch.nn.Module, target: torch.nn.Module | None = None, weights: str = "bf16", rows: str = "measured"
 ) -> PackedLinears:
-    """Compute a drafter's fp32 CPU ``nn.Linear`` layers with cheaper weights, over any number of rows; their outputs
-    come back in fp32, and everything else stays fp32.
+    """Compute a drafter's fp32 CPU ``nn.Linear`` layers with cheaper weights, over the row counts at which this
+    machine measured that faster than the stock fp32 layer (``rows="measured"``, :func:`measured_row_plan`) or over
+    any number of rows (``"all"``); their outputs come back in fp32, and everything else stays fp32.
 
     - ``weights="bf16"``: weights rounded to bf16 and packed once for oneDNN; inputs rounded to bf16.
     - ``weights="int8"``: the same, and besides, weights in int8 with one bf16 scale per output row for PyTorch's
       weight-only int8 kernel (``torch._weight_int8pack_mm``; inputs stay bf16), which computes calls over one or two
       rows (draft steps): half the bytes of bf16 to read. Calls over more rows use the bf16 copy, which costs less
-      there. Only weights are rounded to int8, not inputs: a layer that reads the target's hidden states, whose few
-      large channels would swamp an int8 input, loses no more than in bf16.
+      there on a CPU with native bf16 (with ``rows="measured"``, each where this CPU measured it faster than the fp32
+      layer; the rest run the fp32 layer). Only weights are rounded to int8, not inputs: a layer that reads the
+      target's hidden states, whose few large channels would swamp an int8 input, loses no more than in bf16.
 
     A drafter's precision changes only how often its tokens are accepted, never what the target outputs: greedy
     decoding stays token-identical to plain decoding and sampling stays lossless, since the target verifies every
@@ -262,17 +297,82 @@ def pack_draft_weights(
         )
     shared = {id(p) for p in target.parameters()} if target is not None else set()
     modules = [m for m in drafter.modules() if _packable(m) and id(m.weight) not in shared]
-    return _pack(modules, lambda weight: _DRAFT_WEIGHTS[weights](weight, sys.maxsize))
+    return _pack(modules, lambda weight: _DRAFT_WEIGHTS[weights](weight, sys.maxsize), rows)
 
 
-def _pack(modules: list[torch.nn.Module], packed_copy) -> PackedLinears:
+def _pack(modules: list[torch.nn.Module], packed_copy, rows: str) -> PackedLinears:
+    if rows not in ROW_PLANS:
+        raise ValueError(f"rows must be one of {', '.join(ROW_PLANS)}, got {rows!r}.")
     for module in modules:
         module._hf_specdec_packed = packed_copy(module.weight)
         module.forward = types.MethodType(_packed_forward, module)
     handle = PackedLinears(modules)
     if modules:
         _check_against_stock(modules[0], handle)
+    if rows == "measured":
+        for module in modules:
+            module._hf_specdec_packed.plan = measured_row_plan(module._hf_specdec_packed, module.bias)
+        slower = PackedLinears([m for m in modules if not m._hf_specdec_packed.plan])
+        slower.restore()  # a layer whose packed kernel is never faster keeps its stock forward, at no cost per call
+        handle.modules = [m for m in modules if "forward" in m.__dict__]
     return handle
+
+
+def _rows_text(plan: frozenset[int] | None, max_rows: int) -> str:
+    """``plan``'s row counts as ranges (``"1, 6-64"``; ``"any"`` for no upper bound)."""
+    probes = [p for p in ROW_PROBES if p <= max_rows]
+    served = probes if plan is None else [p for p in probes if p in plan]
+    ranges: list[list[int]] = []
+    for p in served:
+        i = probes.index(p)
+        end = probes[i + 1] - 1 if i + 1 < len(probes) else max_rows
+        if ranges and ranges[-1][1] == p - 1:
+            ranges[-1][1] = end
+        else:
+            ranges.append([p, end])
+    text = ", ".join(str(a) if a == b else f"{a}-{'any' if b >= sys.maxsize else b}" for a, b in ranges)
+    return text or "none"
+
+
+def _probe_of(rows: int) -> int:
+    """The largest of :data:`ROW_PROBES` not above ``rows``: the measurement a call over ``rows`` rows follows."""
+    return ROW_PROBES[bisect.bisect_right(ROW_PROBES, rows) - 1]
+
+
+_PLANS: dict[tuple, frozenset[int]] = {}
+_PLANS_LOCK = threading.Lock()
+
+
+def measured_row_plan(state: _PackedWeight, bias: torch.Tensor | None = None, repeats: int = 3) -> frozenset[int]:
+    """The :data:`ROW_PROBES` (up to the layer's ``max_rows``) at which the packed kernel computed a layer of this
+    shape faster than ``F.linear`` on this machine, at the current thread count: each the fastest of ``repeats``
+    timed calls after one untimed one, the two kernels alternating. Measured once per kind of copy, shape and thread
+    count in a process (a model's layers of one shape share it).
+
+    Which kernel is faster depends on the CPU, not only on the shapes (see the module docstring): on a CPU without
+    native bf16 the int8 drafter weights pay over one row on the wider layers only, the bf16 ones hardly anywhere, and
+    the packed fp32 kernel over one row not at all (``model_cards/results/kernel-rows-intel-t2.md``)."""
+    key = (type(state).__name__, state.dtype, tuple(state.weight.shape), bias is not None, torch.get_num_threads())
+    with _PLANS_LOCK:
+        if key not in _PLANS:
+            probes = [rows for rows in ROW_PROBES if rows <= state.max_rows]
+            _PLANS[key] = frozenset(rows for rows in probes if _packed_is_faster(state, bias, rows, repeats))
+        return _PLANS[key]
+
+
+@torch.no_grad()
+def _packed_is_faster(state: _PackedWeight, bias: torch.Tensor | None, rows: int, repeats: int) -> bool:
+    x = torch.randn(rows, state.weight.shape[1], generator=torch.Generator().manual_seed(rows))  # not the global RNG
+    weight = state.weight.detach()
+    best = {"stock": float("inf"), "packed": float("inf")}
+    calls = {"stock": lambda: F.linear(x, weight, bias), "packed": lambda: state.compute(x, bias)}
+    for i in range(repeats + 1):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            if i:
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best["packed"] < best["stock"]
 
 
 def bf16_linears_supported() -> bool:

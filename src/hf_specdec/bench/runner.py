@@ -473,9 +473,11 @@ def run_benchmark(
         schema_options: xgrammar's options for compiling them (e.g. ``{"any_whitespace": False, "indent": 2}``: a
             fixed layout, whose newlines, indentation and keys the grammar then forces); recorded in the config.
         linear_kernels: ``"packed"`` (default): for the run, the fp32 CPU linear layers of the target (and of any
-            method's own target) compute passes over 1–64 rows with pre-packed oneDNN weights, for every method alike
-            (:mod:`hf_specdec.cpu_kernels`: plain decoding's one-token steps too); ``"stock"``: the targets as they
-            are. The config records which, and how many layers. Every method runs with
+            method's own target) compute passes over 1–64 rows with pre-packed oneDNN weights where this machine
+            measured them faster, for every method alike (:mod:`hf_specdec.cpu_kernels`: plain decoding's one-token
+            steps too); ``"stock"``: the targets as they are. The config records which, how many layers, and per
+            layer shape the rows packed (``linear_kernel_rows``; the drafters' in ``draft_kernel_rows``). Every
+            method runs with
             :func:`~hf_specdec.cpu_kernels.grouped_query_sdpa` (what the speculative loop does itself), so a padded
             batch's plain baseline attends as the loop does; the config's ``attention`` says whether it applied.
         draft_kernels: ``"bf16"`` or ``"int8"``: for the run, every drafter's and assistant model's fp32 CPU
@@ -491,7 +493,7 @@ def run_benchmark(
         draft_kernels_for(drafters, draft_kernels, targets) as draft_packed,
         grouped_query_sdpa(target) as grouped,
     ):
-        packed_layers, draft_layers = len(packed), len(draft_packed)
+        kernels = _kernels_config(packed, draft_packed, draft_kernels, grouped)
         grammars = _SchemaGrammars(schemas, tokenizer, target, schema_options) if schemas else None
         bench = _Benchmark(target, tokenizer, methods, prompts, max_new_tokens, top_p, max_prompt_tokens, grammars)
         settings = [(t, b) for t in temperatures for b in batch_sizes]
@@ -518,14 +520,24 @@ def run_benchmark(
         "categories": sorted({item.category for item in prompts}),
         "max_prompt_tokens": max_prompt_tokens,
         "methods": _describe_methods(bench.methods, bench.reference_of, bench.plain_name),
-        "linear_kernels": f"packed ({packed_layers} layers)" if packed_layers else "stock",
-        "attention": "sdpa, grouped-query kernel for every call" if grouped else "as loaded",
-        "draft_kernels": f"{draft_kernels}, packed ({draft_layers} layers)" if draft_layers else "stock",
+        **kernels,
     }
     if schema_options:
         report_config["schema_options"] = dict(schema_options)
     report_config.update(config or {})
     return {"hardware": hardware_info(bench.device), "config": report_config, "records": records, "load": load_record}
+
+
+def _kernels_config(packed, draft_packed, draft_kernels: str, grouped: bool) -> dict:
+    """What the report's config says of the run's kernels: the packed target layers and drafter layers (how many, and
+    per weight shape the rows each computes) and the attention."""
+    return {
+        "linear_kernels": f"packed ({len(packed)} layers)" if len(packed) else "stock",
+        "attention": "sdpa, grouped-query kernel for every call" if grouped else "as loaded",
+        "draft_kernels": f"{draft_kernels}, packed ({len(draft_packed)} layers)" if len(draft_packed) else "stock",
+        "linear_kernel_rows": packed.row_plans(),
+        "draft_kernel_rows": draft_packed.row_plans(),
+    }
 
 
 def _check_arguments(prompts, methods, max_new_tokens, repeats, warmup, batch_sizes, temperatures) -> None:
