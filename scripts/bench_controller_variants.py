@@ -7,11 +7,11 @@ attributes set (numbers); the others with the defaults. All other arguments go t
 plain decoding and every controller are interleaved in the same repeats. Copy the drafter into one folder per
 controller first, e.g.::
 
-    cp -r src/hf_specdec/assets/demo-drafter runs/ab/code-caution
-    cp -r src/hf_specdec/assets/demo-drafter runs/ab/code-no-caution
-    python scripts/bench_controller_variants.py --variant -no-caution catchup_caution=0 \\
-        --drafter runs/ab/code-caution runs/ab/code-no-caution --prompts spec-bench --max-prompts 4 \\
-        --max-new-tokens 64 --temperature 0.7 --no-peers --threads 1 --out runs/ab --stem code-caution
+    cp -r src/hf_specdec/assets/demo-drafter runs/ab/code
+    cp -r src/hf_specdec/assets/demo-drafter runs/ab/code-wide-margin
+    python scripts/bench_controller_variants.py --variant -wide-margin margin=0.15 \\
+        --drafter runs/ab/code runs/ab/code-wide-margin --prompts spec-bench --max-prompts 4 \\
+        --max-new-tokens 64 --temperature 0.7 --no-peers --threads 1 --out runs/ab --stem code-margin
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def parse_variants(argv: list[str]) -> tuple[dict[str, dict], list[str]]:
     return variants, rest
 
 
-def _setting(name: str, value: str) -> float:
+def _setting(name: str, value: str) -> int | float:
     default = getattr(adaptive.DraftLengthController(1), name, None)
     if not isinstance(default, (int, float)) or isinstance(default, bool):
         raise SystemExit(f"{name!r} is not a numeric DraftLengthController setting.")
