@@ -268,32 +268,62 @@ def test_catch_up_is_measured_apart_and_counted_against_the_next_draft():
     assert ctrl.best(pending_slots=100) == 0  # 5 steps of catch-up eat the gain of the next draft
 
 
-def test_a_batch_pass_counts_as_the_progress_of_its_row_furthest_behind():
-    tied = DraftLengthController(3, decay=1.0)
+def test_a_batch_pass_counts_every_rows_acceptance():
+    ctrl = DraftLengthController(3, decay=1.0, rows=4)
     committed = torch.tensor([4, 1, 1, 1])  # rows tied at 10; one accepts its three drafts, the others none
-    tied.update(3, torch.full((4,), 3), committed, torch.ones(4, dtype=torch.bool), 1.0, ends=10 + committed)
-    assert (tied.reached[1], tied.accepted[1]) == (1, 0)  # the call moved on by one token
-    apart = DraftLengthController(3, decay=1.0)
-    committed = torch.tensor([4, 1])  # the row behind (at 10) catches up past the one ahead (at 12)
-    apart.update(3, torch.full((2,), 3), committed, torch.ones(2, dtype=torch.bool), 1.0, ends=torch.tensor([14, 13]))
-    assert apart.accepted[1:] == [1, 1, 0]  # the shortest row went from 10 to 13: three tokens, two drafts
+    ctrl.update(3, torch.full((4,), 3), committed, torch.ones(4, dtype=torch.bool), 1.0, ends=10 + committed)
+    assert (ctrl.reached[1], ctrl.accepted[1]) == (4, 1)
+    assert ctrl.accepted[1:] == [1, 1, 1]
 
 
-def test_drafts_that_pay_for_the_rows_mean_but_not_for_the_last_row_lose():
-    def controller(with_ends: bool) -> DraftLengthController:
-        ctrl = DraftLengthController(2, probe_every=1000)
+def _simulated_call_progress(alphas: list[float], rows: int, tokens: int, calls: int = 400) -> float:
+    """Tokens per pass by which a batched call moves on when every row drafts a chain with these per-depth
+    acceptances each pass until its last row has ``tokens`` tokens (rows accept independently)."""
+    gen = torch.Generator().manual_seed(0)
+    passes = []
+    for _ in range(calls):
+        done, n = torch.zeros(rows), 0
+        while done.min() < tokens:
+            accepted = torch.rand(rows, len(alphas), generator=gen) < torch.tensor(alphas)
+            done += 1 + accepted.long().cumprod(dim=1).sum(dim=1)
+            n += 1
+        passes.append(n)
+    return tokens / statistics.fmean(passes)
+
+
+def _controller_with_acceptance(alphas: list[float], rows: int) -> DraftLengthController:
+    """A controller whose per-depth acceptance counts are exactly ``alphas`` over 10,000 rows (no prior to speak of)."""
+    ctrl = DraftLengthController(len(alphas), decay=1.0, rows=rows)
+    reached = 10_000.0
+    for d, a in enumerate(alphas, start=1):
+        ctrl.reached[d], ctrl.accepted[d] = reached, reached * a
+        reached *= a
+    return ctrl
+
+
+@pytest.mark.parametrize("tokens", [32, 128])
+def test_a_batch_drafts_expected_progress_is_what_its_last_row_makes_over_the_call(tokens):
+    alphas = [0.6, 0.5]
+    simulated = _simulated_call_progress(alphas, rows=4, tokens=tokens)
+    batch = _controller_with_acceptance(alphas, rows=4).expected_tokens(2, steps_left=tokens)
+    row = _controller_with_acceptance(alphas, rows=1).expected_tokens(2, steps_left=tokens)
+    assert row == pytest.approx(1 + 0.6 + 0.6 * 0.5, rel=1e-3)  # one row: its own expected tokens
+    assert batch == pytest.approx(simulated, rel=0.04)  # the last row trails the rows' mean
+    assert batch < row - 0.05
+    # Counting every pass from level rows as its least row's progress says about 1.2 tokens: far too few.
+    assert simulated > 1.6
+
+
+def test_drafts_that_pay_for_a_row_but_not_for_a_short_batched_call_lose():
+    def best(rows: int, steps_left: int) -> int:
+        ctrl = _controller_with_acceptance([0.6, 0.5], rows=rows)
         _feed(ctrl, 0, [0], 1.0)
-        for i in range(
-            40
-        ):  # each pass one row accepts both drafts, the others none: 1.5 tokens per row, 1 for the call
-            committed = torch.ones(4, dtype=torch.long)
-            committed[i % 4] = 3
-            ends = 10 + i + committed if with_ends else None
-            ctrl.update(2, torch.full((4,), 2), committed, torch.ones(4, dtype=torch.bool), 1.3, ends=ends)
-        return ctrl
+        ctrl.update(2, torch.tensor([2]), torch.tensor([1]), torch.tensor([True]), 1.65)  # a chain of 2: 1.65 steps
+        return ctrl.best(steps_left=steps_left)
 
-    assert controller(with_ends=False).best() == 2  # the rows' mean: 1.5 tokens for 1.3 steps
-    assert controller(with_ends=True).best() == 0
+    assert best(rows=1, steps_left=8) == 2  # 1.9 tokens for 1.65 steps
+    assert best(rows=4, steps_left=128) == 2  # the last row trails by about 0.1 token a pass over a long call
+    assert best(rows=4, steps_left=8) == 0  # over four passes by about 0.4: drafting no longer pays
 
 
 def _losing_drafter_with_a_dear_catch_up() -> DraftLengthController:
