@@ -21,8 +21,8 @@ large batch on a compute-bound device.
   per row moves the call on by ``E(K) - z_B * sigma / sqrt(n)`` per pass (at least one token). Counting each pass as
   the progress of its row furthest behind instead, as the loop did before, scored every pass from rows level with
   each other (after plain steps) as the least of four rows' outcomes: on SmolLM2 at batch 4 it put the first
-  depth's acceptance at 0.10-0.17 where a row's is about 0.55, and the loop decoded plainly where a fixed chain of
-  two gained 1.2-2.7x. (Trees in a batch still count the row furthest behind.)
+  depth's acceptance far below a row's, and the loop decoded plainly where a fixed chain of two paid. (Trees in a
+  batch still count the row furthest behind.)
 * ``t(K)`` is measured, never assumed: a length's cost is the median of its recent passes' times, each over a
   plain step's at the context that pass attended over (the median of the recent plain steps, moved along the
   measured growth of a step's time with its context; the median ignores a pass hit by a one-off stall). A step
