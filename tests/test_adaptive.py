@@ -310,7 +310,7 @@ def test_a_batch_drafts_expected_progress_is_what_its_last_row_makes_over_the_ca
     assert row == pytest.approx(1 + 0.6 + 0.6 * 0.5, rel=1e-3)  # one row: its own expected tokens
     assert batch == pytest.approx(simulated, rel=0.04)  # the last row trails the rows' mean
     assert batch < row - 0.05
-    # Counting every pass from level rows as its least row's progress says about 1.2 tokens: far too few.
+    # Counting every pass from level rows as its least row's progress says about 1.14 tokens: far too few.
     assert simulated > 1.6
 
 

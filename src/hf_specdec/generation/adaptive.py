@@ -107,7 +107,6 @@ import statistics
 import threading
 import weakref
 from collections import deque
-from statistics import NormalDist
 
 import torch
 
@@ -189,7 +188,9 @@ class DraftLengthController:
         self.probe_optimism = float(probe_optimism)
         self.rows = max(int(rows), 1)
         # the expected largest of `rows` standard normals (Blom's approximation): how far the last row trails
-        self._trail = NormalDist().inv_cdf((self.rows - 0.375) / (self.rows + 0.25)) if self.rows > 1 else 0.0
+        self._trail = (
+            statistics.NormalDist().inv_cdf((self.rows - 0.375) / (self.rows + 0.25)) if self.rows > 1 else 0.0
+        )
         self._probe_gap = self.probe_every
         self._next_probe = self.probe_every
         self._last_best: int | None = None
@@ -599,10 +600,10 @@ class DraftLengthController:
         in place of the plain step ``k = 0`` (its time is measured apart from plain steps; what copies commit comes
         through :meth:`record_copies`). ``catchup_seconds``: the part of
         ``seconds`` the drafter spent catching up on ``catchup_slots`` slots of earlier plain steps (measured apart,
-        so a draft length's cost is its own). ``ends``: the rows' lengths after the pass (a probe's loss and, for trees, a
-        size's tokens count the progress of the row furthest behind, :func:`batch_progress`). ``accepted_nodes``: for a
-        tree listed best first, ``(batch, A)`` each row's accepted path as node indices, ``-1`` padded (then the
-        pass also tells what each smaller tree size would have committed)."""
+        so a draft length's cost is its own). ``ends``: the rows' lengths after the pass (a probe's loss and, for
+        trees, a size's tokens count the progress of the row furthest behind, :func:`batch_progress`).
+        ``accepted_nodes``: for a tree listed best first, ``(batch, A)`` each row's accepted path as node indices,
+        ``-1`` padded (then the pass also tells what each smaller tree size would have committed)."""
         self.passes += 1
         act = active.bool().cpu()
         self._charge_probe(seconds, committed, act, ends)
